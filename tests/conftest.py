@@ -9,3 +9,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub

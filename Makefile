@@ -1,0 +1,42 @@
+# `make demo` and `make test` work on a fresh clone with nothing but Python 3.11 and pip.
+PYTHON ?= python3
+VENV ?= .venv
+VENV517 ?= .venv517
+PIP_FLAGS ?= -q --disable-pip-version-check
+# torch 2.13.0 is the CPU build on this machine's disk: an unpinned torch pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: test test-newest test-517 demo gpu-test clean
+
+test: test-newest test-517
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,demo]"
+	touch $@
+
+# The oldest supported transformers, for the tests that touch its internals.
+$(VENV517)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV517)
+	$(VENV517)/bin/pip install $(PIP_FLAGS) $(TORCH) "transformers==5.17.0" accelerate safetensors pytest tqdm
+	$(VENV517)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+# The whole CPU suite on the newest transformers 5.x (GPU tests skip without CUDA).
+test-newest: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests -q
+
+# Tests that touch transformers internals, again on transformers 5.17.0.
+test-517: $(VENV517)/.installed
+	$(VENV517)/bin/python -m pytest tests -q -m tf_internals
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m dsv4_mtp_hf.demo
+
+# On a CUDA machine (the device): the GPU tests only.
+gpu-test:
+	$(PYTHON) -m pytest tests -q -m gpu
+
+clean:
+	rm -rf $(VENV) $(VENV517) build *.egg-info src/*.egg-info

@@ -1,0 +1,13 @@
+"""DeepSeek-V4's multi-token-prediction head as a Hugging Face transformers draft model."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .cache import MtpKVCache
+from .configuration import DeepseekV4MtpConfig
+from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
+
+AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)
+AutoModelForCausalLM.register(DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, exist_ok=True)
+
+__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "MtpKVCache"]
+__version__ = "0.1.0"

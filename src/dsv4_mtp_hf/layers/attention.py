@@ -1,0 +1,71 @@
+"""The MTP layer's attention: shared-KV MQA over a sliding window, with sinks (SPEC §4)."""
+
+import torch
+from torch import nn
+
+from ..ops.attention import sliding_window_attention_reference
+from .norms import RMSNorm, rms_normalize
+from .rope import apply_rope
+
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_roundtrip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """DeepSeek's inference-time quantisation of the non-RoPE KV channels: e4m3 with a
+    power-of-two scale per `block` values (an optional fidelity knob)."""
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    s = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
+    return ((xb / s).to(torch.float8_e4m3fn).float() * s).flatten(-2).to(x.dtype)
+
+
+class GroupedOutputProjection(nn.Module):
+    """``o [.., G, H*d/G]`` -> per-group ``wo_a`` -> ``[.., G * o_lora_rank]``.
+    Weight stored as one ``[G * o_lora_rank, H*d/G]`` matrix (DeepSeek's ``wo_a``)."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("...gi,goi->...go", x, w).flatten(-2)
+
+
+class MtpAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window, self.o_groups = config.sliding_window, config.o_groups
+        self.eps, self.kv_fp8_roundtrip = config.rms_norm_eps, config.kv_fp8_roundtrip
+        self.rope_dim = config.qk_rope_head_dim
+        self.scale = self.head_dim**-0.5
+        d, h = config.hidden_size, self.num_heads * self.head_dim
+        self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, h, bias=False)
+        self.kv_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_a_proj = GroupedOutputProjection(h // config.o_groups, config.o_lora_rank, config.o_groups)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+
+    def forward(self, h, cos, sin, positions, cache=None):
+        """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` a
+        :class:`~dsv4_mtp_hf.cache.MtpKVCache` or None."""
+        b, s, _ = h.shape
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(h))).view(b, s, self.num_heads, self.head_dim)
+        q = apply_rope(rms_normalize(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
+        kv = apply_rope(self.kv_norm(self.kv_proj(h)), cos, sin)
+        if self.kv_fp8_roundtrip:
+            kv = torch.cat([fp8_roundtrip(kv[..., : -self.rope_dim]), kv[..., -self.rope_dim :]], dim=-1)
+        if cache is not None:
+            kv, kv_positions = cache.update(kv)
+            kv_positions = kv_positions.unsqueeze(0).expand(b, -1)
+        else:
+            kv_positions = positions
+        o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
+        o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
+        o = self.o_a_proj(o.reshape(b, s, self.o_groups, -1))
+        return self.o_b_proj(o)

@@ -1,0 +1,119 @@
+"""The MTP layer's MoE (SPEC §5): sqrtsoftplus router, packed FP4 routed experts, one
+shared expert.  Hash routing exists only in the target's first layers, never here."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import fp4
+from ..ops.fp4_moe import fp4_moe
+
+
+class Router(nn.Module):
+    """``s = sqrt(softplus(W_g h))`` in fp32; top-k of ``s + bias`` (bias selects only);
+    weights = ``s`` at the chosen experts, renormalised, times the routed scaling factor."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(h.float(), self.weight.float())).sqrt()
+        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.routed_scaling_factor, ids
+
+
+class FP4Experts(nn.Module):
+    """All routed experts, packed FP4 exactly as on disk (``fp4.py``); only the experts a
+    token uses are ever decoded.  Global NVFP4 scales are kept as int32 bit patterns so
+    that ``model.to(dtype)`` can never round them (``.view(torch.float32)`` reads them)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.format = fp4.get_format(config.expert_format)
+        self.swiglu_limit = float(config.swiglu_limit)
+        e, d, i, g = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, self.format.group_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, d, i
+        u8 = dict(dtype=torch.uint8)
+        self.w13_weight = nn.Buffer(torch.zeros(e, 2 * i, d // 2, **u8))
+        self.w13_scale = nn.Buffer(torch.zeros(e, 2 * i, d // g, **u8))
+        self.w13_global_bits = nn.Buffer(torch.ones(e, 2).view(torch.int32).clone())
+        self.w2_weight = nn.Buffer(torch.zeros(e, d, i // 2, **u8))
+        self.w2_scale = nn.Buffer(torch.zeros(e, d, i // g, **u8))
+        self.w2_global_bits = nn.Buffer(torch.ones(e).view(torch.int32).clone())
+
+    @property
+    def w13_global(self) -> torch.Tensor:
+        return self.w13_global_bits.view(torch.float32)
+
+    @property
+    def w2_global(self) -> torch.Tensor:
+        return self.w2_global_bits.view(torch.float32)
+
+    @torch.no_grad()
+    def set_expert(self, e: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantise dense ``w1/w3 [I, D]`` and ``w2 [D, I]`` into slot ``e``."""
+        p1, s1, g1 = fp4.quantize_fp4(w1, self.format)
+        p3, s3, g3 = fp4.quantize_fp4(w3, self.format)
+        p2, s2, g2 = fp4.quantize_fp4(w2, self.format)
+        self.w13_weight[e] = torch.cat([p1, p3]).to(self.w13_weight.device)
+        self.w13_scale[e] = torch.cat([s1, s3]).to(self.w13_scale.device)
+        self.w13_global_bits[e] = torch.stack([g1, g3]).view(torch.int32).to(self.w13_global_bits.device)
+        self.w2_weight[e] = p2.to(self.w2_weight.device)
+        self.w2_scale[e] = s2.to(self.w2_scale.device)
+        self.w2_global_bits[e] = g2.reshape(1).view(torch.int32).to(self.w2_global_bits.device)[0]
+
+    def dequantized(self, e: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``(w13 [2I, D], w2 [D, I])`` of expert ``e`` (tests and oracles)."""
+        w13 = fp4.dequantize_fp4(self.w13_weight[e], self.w13_scale[e], self.format)
+        w13 = w13 * self.w13_global[e].repeat_interleave(self.intermediate_size).unsqueeze(-1)
+        w2 = fp4.dequantize_fp4(self.w2_weight[e], self.w2_scale[e], self.format, self.w2_global[e])
+        return w13.to(dtype), w2.to(dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fp4_moe(
+            x, ids, weights.float(), self.w13_weight, self.w13_scale, self.w13_global,
+            self.w2_weight, self.w2_scale, self.w2_global, self.format.name, self.swiglu_limit,
+        )
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, format={self.format.name}"
+
+
+class SharedExpert(nn.Module):
+    """SwiGLU with V4's asymmetric clamp: gate clipped above only, up clipped both ways."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, i = config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).float().clamp(max=self.limit)
+        up = self.up_proj(x).float().clamp(-self.limit, self.limit)
+        return self.down_proj((F.silu(gate) * up).to(x.dtype))
+
+
+class MtpMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = FP4Experts(config)
+        self.shared_experts = SharedExpert(config) if config.n_shared_experts else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids).view_as(h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(h)
+        return out

@@ -1,0 +1,306 @@
+"""`DeepseekV4MtpForCausalLM`: DeepSeek-V4's multi-token-prediction layer as a transformers model.
+
+Row p of a forward pairs the target's pre-`hc_head` residual ``X_p [hc_mult, D]`` with the
+token ``t_{p+1}``, runs at RoPE position p, and predicts ``t_{p+2}`` (SPEC §2)::
+
+    e = enorm(embed(t_{p+1}));  x_j = h_proj(hnorm(X_p[j])) + e_proj(e)      (every stream j)
+    x = V4 block(x)            # mHC -> attention -> mHC -> MoE (one sliding-window layer)
+    logits = lm_head(norm(hc_head(x)));   residual = x  (fed back for the next draft)
+
+The embedding and lm head belong to the target and are shared by reference: they are
+never copied and never part of this model's ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from .cache import MtpKVCache
+from .configuration import DeepseekV4MtpConfig
+from .layers.attention import GroupedOutputProjection, MtpAttention
+from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
+from .layers.moe import FP4Experts, MtpMoE, Router
+from .layers.norms import RMSNorm
+from .layers.rope import rope_cos_sin
+
+
+@dataclass
+class DeepseekV4MtpOutput(ModelOutput):
+    """logits ``[B, S, V]`` (prediction of ``t_{p+2}`` for each row p); residual
+    ``[B, S, hc_mult, D]`` (the MTP's own pre-``hc_head`` streams); the updated cache."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    cache: MtpKVCache | None = None  # transformers >= 5.24 names caches `cache`
+
+    @property
+    def past_key_values(self) -> MtpKVCache | None:
+        return self.cache
+
+
+class _SharedTargetModules:
+    """Plain holder (not an nn.Module) so the target's embedding and head are used by
+    reference without being registered as our submodules or saved with our weights."""
+
+    def __init__(self, target):
+        self.target = target
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+
+class DeepseekV4MtpBlock(nn.Module):
+    """One V4 decoder layer (sliding-window attention, score-routed MoE) wrapped in mHC."""
+
+    def __init__(self, config: DeepseekV4MtpConfig):
+        super().__init__()
+        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MtpAttention(config)
+        self.mlp = MtpMoE(config)
+
+    def forward(self, streams, cos, sin, positions, cache=None):
+        collapsed, post, comb = self.attn_hc(streams)
+        attn = self.self_attn(self.input_layernorm(collapsed), cos, sin, positions, cache)
+        streams = hc_post(attn, streams, post, comb)
+        collapsed, post, comb = self.ffn_hc(streams)
+        ffn = self.mlp(self.post_attention_layernorm(collapsed))
+        return hc_post(ffn, streams, post, comb)
+
+
+class DeepseekV4MtpPreTrainedModel(PreTrainedModel):
+    config_class = DeepseekV4MtpConfig
+    config: DeepseekV4MtpConfig
+    base_model_prefix = "mtp"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DeepseekV4MtpBlock"]
+    _supports_attention_backend = False
+    _keep_in_fp32_modules_strict = [
+        "attn_hc", "ffn_hc", "hc_head", "sinks", "e_score_correction_bias", "q_a_norm", "kv_norm",
+        "input_layernorm", "post_attention_layernorm", "norm", "enorm", "hnorm",
+    ]
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, GroupedOutputProjection, Router)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, Router):
+                init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, MtpAttention):
+            init.zeros_(module.sinks)
+        elif isinstance(module, HyperConnection):
+            init.normal_(module.fn, mean=0.0, std=std)
+            init.zeros_(module.base)
+            init.ones_(module.scale)
+        elif isinstance(module, HyperHead):
+            init.normal_(module.hc_fn, mean=0.0, std=std)
+            init.zeros_(module.hc_base)
+            init.ones_(module.hc_scale)
+        elif isinstance(module, FP4Experts):
+            self._init_fp4_experts(module, std)
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_fp4_experts(module: FP4Experts, std: float) -> None:
+        # Quantise random dense experts so a randomly initialised model is never
+        # degenerate (all-zero codes would silence the routed experts).
+        if module.w13_weight.is_meta or getattr(module.w13_weight, "_is_hf_initialized", False):
+            return
+        i, d = module.intermediate_size, module.hidden_size
+        for e in range(module.num_experts):  # one expert at a time: bounded memory
+            module.set_expert(e, torch.randn(i, d) * std, torch.randn(i, d) * std, torch.randn(d, i) * std)
+
+
+class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
+    """DeepSeek-V4's MTP layer as a speculative-decoding draft model.
+
+    Bind it to a transformers ``DeepseekV4ForCausalLM`` (``target_model=`` here or in
+    ``from_pretrained``, or :meth:`bind`), then ``target.generate(ids, assistant_model=mtp)``.
+    """
+
+    def __init__(self, config: DeepseekV4MtpConfig, target_model=None):
+        super().__init__(config)
+        d = config.hidden_size
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.block = DeepseekV4MtpBlock(config)
+        self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self._shared: _SharedTargetModules | None = None
+        self.post_init()
+        if self.generation_config is not None:
+            self.generation_config.num_assistant_tokens = 3
+            self.generation_config.num_assistant_tokens_schedule = "constant"
+        if target_model is not None:
+            self.bind(target_model)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, target_model=None, **kwargs):
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if target_model is not None:
+            model.bind(target_model)
+        return model
+
+    # -- binding to the target -----------------------------------------------------------------
+    @property
+    def target_model(self):
+        return None if self._shared is None else self._shared.target
+
+    @property
+    def is_bound(self) -> bool:
+        return self._shared is not None
+
+    def check_target(self, target) -> None:
+        """Raise if ``target`` cannot serve as this draft's target."""
+        config = getattr(target, "config", None)
+        if config is None or getattr(config, "model_type", None) != "deepseek_v4":
+            raise TypeError(
+                f"The MTP drafts for a DeepSeek-V4 target (transformers `DeepseekV4ForCausalLM`), got "
+                f"{type(target).__name__} with model_type {getattr(config, 'model_type', None)!r}."
+            )
+        mismatches = self.config.binding_mismatches(config)
+        if mismatches:
+            raise ValueError(
+                "This MTP does not match the target model: " + "; ".join(mismatches)
+                + ". Load the MTP from the same DeepSeek-V4 release as the target."
+            )
+        head = target.get_output_embeddings()
+        if head is None or head.weight.shape != (config.vocab_size, self.config.hidden_size):
+            raise ValueError("The target has no lm head of shape [vocab_size, hidden_size] to share with the MTP.")
+
+    def bind(self, target) -> DeepseekV4MtpForCausalLM:
+        """Share ``target``'s embedding and lm head and make ``target.generate(assistant_model=self)`` work."""
+        self.check_target(target)
+        if self._shared is not None and self._shared.target is not target:
+            self.unbind()
+        self._shared = _SharedTargetModules(target)
+        try:
+            from .generation.binding import attach
+        except ImportError:  # generation glue not available
+            attach = None
+        if attach is not None:
+            attach(self, target)
+        return self
+
+    def unbind(self) -> None:
+        """Detach from the target; the target behaves exactly as before binding."""
+        if self._shared is None:
+            return
+        try:
+            from .generation.binding import detach
+        except ImportError:
+            detach = None
+        if detach is not None:
+            detach(self, self._shared.target)
+        self._shared = None
+
+    def _require_bound(self) -> _SharedTargetModules:
+        if self._shared is None:
+            raise RuntimeError(
+                "This MTP is not bound to a target: its embedding and lm head are the target's. Pass "
+                "`target_model=` to the constructor or `from_pretrained`, or call `mtp.bind(target)`."
+            )
+        return self._shared
+
+    def get_input_embeddings(self):
+        return None if self._shared is None else self._shared.embed_tokens
+
+    def get_output_embeddings(self):
+        return None if self._shared is None else self._shared.lm_head
+
+    def new_cache(self) -> MtpKVCache:
+        return MtpKVCache.from_config(self.config)
+
+    def generate(self, *args, **kwargs):
+        raise RuntimeError(
+            "The MTP is a draft model: it needs the target's hidden states. Use "
+            "`target.generate(input_ids, assistant_model=mtp)` instead of `mtp.generate(...)`."
+        )
+
+    def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
+        return True
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, hidden_states, position_ids):
+        c = self.config
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be [batch, seq] token ids, got {None if input_ids is None else tuple(input_ids.shape)}.")
+        b, s = input_ids.shape
+        expected = (b, s, c.hc_mult, c.hidden_size)
+        if hidden_states is None or tuple(hidden_states.shape) != expected:
+            got = None if hidden_states is None else tuple(hidden_states.shape)
+            hint = ""
+            if hidden_states is not None and hidden_states.dim() == 4 and hidden_states.shape[2] != c.hc_mult:
+                hint = f" (hc_mult mismatch: the MTP has hc_mult={c.hc_mult})"
+            elif hidden_states is not None and hidden_states.dim() == 3:
+                hint = (" (looks like collapsed hidden states: the MTP needs the target's pre-hc_head residual "
+                        "streams, not `output_hidden_states`)")
+            raise ValueError(f"`hidden_states` must be [batch, seq, hc_mult, hidden] = {expected}, got {got}{hint}.")
+        if position_ids is not None:
+            if tuple(position_ids.shape) not in ((b, s), (1, s)):
+                raise ValueError(f"`position_ids` must be [batch, seq] = {(b, s)}, got {tuple(position_ids.shape)}.")
+        if int(input_ids.max()) >= c.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, vocab_size={c.vocab_size}).")
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: MtpKVCache | None = None,
+        use_cache: bool = False,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        cache: MtpKVCache | None = None,
+        **kwargs,
+    ) -> DeepseekV4MtpOutput:
+        """Row p: residual ``hidden_states[:, p]`` of the target at position p, token
+        ``input_ids[:, p] = t_{p+1}``; predicts ``t_{p+2}``.  ``labels[:, p]`` (optional) is
+        that ``t_{p+2}``; -100 ignores a row."""
+        shared = self._require_bound()
+        if cache is not None:
+            past_key_values = cache
+        self._check_inputs(input_ids, hidden_states, position_ids)
+        if past_key_values is None and use_cache:
+            past_key_values = self.new_cache()
+        b, s = input_ids.shape
+        device = self.e_proj.weight.device
+        dtype = self.e_proj.weight.dtype
+        if position_ids is None:
+            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(start, start + s, device=device).unsqueeze(0)
+        position_ids = position_ids.to(device).expand(b, s)
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} is beyond max_position_embeddings="
+                f"{self.config.max_position_embeddings} of this MTP."
+            )
+        embed = shared.embed_tokens(input_ids.to(shared.embed_tokens.weight.device)).to(device=device, dtype=dtype)
+        e = self.e_proj(self.enorm(embed))
+        x = self.h_proj(self.hnorm(hidden_states.to(device=device, dtype=dtype))) + e.unsqueeze(2)
+        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
+        residual = self.block(x, cos, sin, position_ids, past_key_values)
+        h = residual if not logits_to_keep else residual[:, -logits_to_keep:]
+        h = self.norm(self.hc_head(h))
+        head = shared.lm_head
+        logits = head(h.to(device=head.weight.device, dtype=head.weight.dtype))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), labels.to(logits.device).reshape(-1), ignore_index=-100
+            )
+        return DeepseekV4MtpOutput(loss=loss, logits=logits, residual=residual, cache=past_key_values)
