@@ -43,10 +43,10 @@ class FP4Experts(nn.Module):
         u8 = dict(dtype=torch.uint8)
         self.w13_weight = nn.Buffer(torch.zeros(e, 2 * i, d // 2, **u8))
         self.w13_scale = nn.Buffer(torch.zeros(e, 2 * i, d // g, **u8))
-        self.w13_global_bits = nn.Buffer(torch.ones(e, 2).view(torch.int32).clone())
+        self.w13_global_bits = nn.Buffer(torch.ones(e, 2, dtype=torch.float32).view(torch.int32).clone())
         self.w2_weight = nn.Buffer(torch.zeros(e, d, i // 2, **u8))
         self.w2_scale = nn.Buffer(torch.zeros(e, d, i // g, **u8))
-        self.w2_global_bits = nn.Buffer(torch.ones(e).view(torch.int32).clone())
+        self.w2_global_bits = nn.Buffer(torch.ones(e, dtype=torch.float32).view(torch.int32).clone())
 
     @property
     def w13_global(self) -> torch.Tensor:

@@ -1,0 +1,404 @@
+"""Triton (CUDA) implementation of ``dsv4_mtp::fp4_moe`` on the canonical packed layout.
+
+Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync):
+
+1. ``_gate_up_kernel``  grid ``(P = T*k, cdiv(I, BLOCK_N))``.  Program ``(p, nb)`` owns the
+   expert ``e = topk_ids.flat[p]`` only if ``p`` is the first pair routed to ``e``
+   ("leader"); other programs exit at once.  The leader gathers every pair routed to
+   ``e`` (in-register histogram/rank over the ``P`` ids, no sort kernel), so each
+   expert's weights are streamed exactly once per N block whatever T is.  It decodes
+   FP4 in registers to exact bf16 values (e2m1 x block scale; the fp32 global scale is
+   applied to the fp32 accumulator), runs gate and up as two bf16 MMAs with fp32
+   accumulation, applies ``silu(min(g, L)) * clamp(u, -L, L) * r`` and writes the bf16
+   activation row of each pair to a ``[P, I]`` workspace.
+2. ``_down_kernel``  grid ``(P, cdiv(D, BLOCK_N))``: same leader scheme, ``w2`` decoded in
+   registers, fp32 result per pair into a ``[P, D]`` fp32 workspace.
+3. ``_sum_kernel``: ``out[t] = sum_j y[t*k + j]`` in a fixed order (deterministic).
+
+The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
+against the even / odd columns of the activations, so no nibble interleave is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import fp4
+from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
+
+# e2m1 code c (bit 3 sign, bits 0-2 = e1 e0 m) -> bf16 bits (c&8)<<12 | (c&7)<<6 is the
+# exact value times 2**-126 (e == 0 lands on the bf16 subnormals 0 and 2**-127); one
+# bf16x2 FMA by 2**126 (0x7E80) makes it exact.  Four packed bytes per call: outputs
+# the four low-nibble values ($0,$1) and the four high-nibble values ($2,$3).
+_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, a, b, c126, nz;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 a, t0, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t0, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 a, a, b;
+fma.rn.bf16x2 $0, a, c126, nz;
+and.b32 a, t1, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t1, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 a, a, b;
+fma.rn.bf16x2 $1, a, c126, nz;
+and.b32 a, t0, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t0, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 a, a, b;
+fma.rn.bf16x2 $2, a, c126, nz;
+and.b32 a, t1, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t1, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 a, a, b;
+fma.rn.bf16x2 $3, a, c126, nz;
+}
+""")
+# Same, without the 2**126 multiply (bits = value * 2**-126, bf16 subnormals included);
+# used when the block scale carries 2**63 and the fp32 global the other 2**63.
+_DECODE_ASM_RAW = tl.constexpr("""
+{
+.reg .b32 t0, t1, a, b;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 a, t0, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t0, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 $0, a, b;
+and.b32 a, t1, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t1, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 $1, a, b;
+and.b32 a, t0, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t0, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 $2, a, b;
+and.b32 a, t1, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t1, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 $3, a, b;
+}
+""")
+
+
+@triton.jit
+def _decode_nibbles(packed, USE_ASM: tl.constexpr, FOLD: tl.constexpr = False):
+    """uint8 [R, C] -> (low-nibble values, high-nibble values), bf16 [R, C], exact e2m1
+    (times 2**-126 when FOLD)."""
+    if FOLD:
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_ASM_RAW, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    elif USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        # fp16 trick: (c&8)<<12 | (c&7)<<9 is the e2m1 value times 2**-14 (subnormals exact).
+        b = packed.to(tl.int16)
+        cl = b & 15
+        ch = (b >> 4) & 15
+        fl = (((cl & 8) << 12) | ((cl & 7) << 9)).to(tl.float16, bitcast=True)
+        fh = (((ch & 8) << 12) | ((ch & 7) << 9)).to(tl.float16, bitcast=True)
+        lo = (fl.to(tl.float32) * 16384.0).to(tl.bfloat16)
+        hi = (fh.to(tl.float32) * 16384.0).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _decode_scale(raw, IS_NV: tl.constexpr, FOLD: tl.constexpr = False):
+    """Raw scale bytes -> fp32 multipliers (e4m3 x e2m1 and 2**k x e2m1 stay exact in bf16)."""
+    if FOLD:
+        # 2**63 moved from the accumulator into the scale: value*2**-126 * s*2**63 stays a
+        # normal bf16 (exact for e4m3 scales, and E8M0 exponents 65..191).
+        if IS_NV:
+            return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 9.223372036854775808e18
+        else:
+            return ((raw.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)
+    elif IS_NV:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        # E8M0 byte e -> 2**(e-127): the fp32 exponent field is the same byte (0 -> 0, 255 -> inf).
+        return (raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(vals, s, BLOCK_N: tl.constexpr, HALF_K: tl.constexpr, HALF_G: tl.constexpr, CDT: tl.constexpr):
+    """vals bf16 [BLOCK_N, HALF_K] (one nibble lane), s fp32 [BLOCK_N, HALF_K // HALF_G] -> exact bf16."""
+    v = tl.reshape(vals, (BLOCK_N, HALF_K // HALF_G, HALF_G))
+    if CDT == tl.bfloat16:
+        # e2m1 x (e4m3 or 2**k) has at most 6 significant bits: the bf16 product is exact
+        w = v * s.to(tl.bfloat16)[:, :, None]
+    else:
+        w = (v.to(tl.float32) * s[:, :, None]).to(CDT)
+    return tl.reshape(w, (BLOCK_N, HALF_K))
+
+
+@triton.jit
+def _expert_rows(ids_ptr, pid_p, P, PB: tl.constexpr):
+    offs = tl.arange(0, PB)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    e = tl.load(ids_ptr + pid_p)
+    match = ids == e
+    earlier = tl.sum((match & (offs < pid_p)).to(tl.int32), axis=0)
+    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+    count = tl.sum(match.to(tl.int32), axis=0)
+    return e.to(tl.int64), offs, match, rank, count, earlier
+
+
+@triton.jit
+def _rows_of_chunk(offs, match, rank, count, c0, BLOCK_M: tl.constexpr):
+    r = c0 + tl.arange(0, BLOCK_M)
+    sel = match[None, :] & (rank[None, :] == r[:, None])
+    pair = tl.sum(tl.where(sel, offs[None, :], 0), axis=1)
+    return pair, r < count
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, act_ptr,
+    P, I: tl.constexpr, D: tl.constexpr,
+    TOPK: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
+    LIMIT: tl.constexpr, NCHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr, CDT: tl.constexpr, FOLD: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
+    if earlier == 0:
+        HK: tl.constexpr = BLOCK_K // 2
+        HG: tl.constexpr = G // 2
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < I
+        kb = tl.arange(0, HK)  # byte index within the K block
+        kx = tl.arange(0, BLOCK_K)
+        ks = tl.arange(0, HK // HG)  # scale index within the K block
+        half_d: tl.constexpr = D // 2
+        nsc: tl.constexpr = D // G
+        wg_rows = w_ptr + e * (2 * I) * half_d + n.to(tl.int64) * half_d
+        wu_rows = wg_rows + I * half_d
+        sg_rows = s_ptr + e * (2 * I) * nsc + n.to(tl.int64) * nsc
+        su_rows = sg_rows + I * nsc
+        gg = tl.load(g_ptr + 2 * e) * (9.223372036854775808e18 if FOLD else 1.0)
+        gu = tl.load(g_ptr + 2 * e + 1) * (9.223372036854775808e18 if FOLD else 1.0)
+        for ci in range(NCHUNK):
+          c0 = ci * BLOCK_M
+          if c0 < count:
+            pair, r_ok = _rows_of_chunk(offs, match, rank, count, c0, BLOCK_M)
+            tok = pair // TOPK
+            x_rows = x_ptr + tok.to(tl.int64) * D
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, D // BLOCK_K):
+                # index arithmetic by multiplication only, so the byte loads stay 16-byte vectors
+                xv = tl.load(x_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, HK, 2)))
+                xe = xe.to(CDT)
+                xo = xo.to(CDT)
+                bcol = kk * HK + kb
+                scol = kk * (HK // HG) + ks
+                pg = tl.load(wg_rows[:, None] + bcol[None, :])
+                pu = tl.load(wu_rows[:, None] + bcol[None, :])
+                sg = _decode_scale(tl.load(sg_rows[:, None] + scol[None, :]), IS_NV, FOLD)
+                su = _decode_scale(tl.load(su_rows[:, None] + scol[None, :]), IS_NV, FOLD)
+                gl, gh = _decode_nibbles(pg, USE_ASM, FOLD)
+                ul, uh = _decode_nibbles(pu, USE_ASM, FOLD)
+                gl = _scaled(gl, sg, BLOCK_N, HK, HG, CDT)
+                gh = _scaled(gh, sg, BLOCK_N, HK, HG, CDT)
+                ul = _scaled(ul, su, BLOCK_N, HK, HG, CDT)
+                uh = _scaled(uh, su, BLOCK_N, HK, HG, CDT)
+                acc_g = tl.dot(xe, tl.trans(gl), acc_g)
+                acc_g = tl.dot(xo, tl.trans(gh), acc_g)
+                acc_u = tl.dot(xe, tl.trans(ul), acc_u)
+                acc_u = tl.dot(xo, tl.trans(uh), acc_u)
+            g = tl.minimum(acc_g * gg, LIMIT)
+            u = tl.minimum(tl.maximum(acc_u * gu, -LIMIT), LIMIT)
+            rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+            dst = act_ptr + pair.to(tl.int64)[:, None] * I + n[None, :]
+            tl.store(dst, a.to(tl.bfloat16), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, y_ptr,
+    P, I: tl.constexpr, D: tl.constexpr,
+    PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr, NCHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
+    FOLD: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
+    if earlier == 0:
+        HK: tl.constexpr = BLOCK_K // 2
+        HG: tl.constexpr = G // 2
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < D
+        kb = tl.arange(0, HK)
+        kx = tl.arange(0, BLOCK_K)
+        ks = tl.arange(0, HK // HG)
+        half_i: tl.constexpr = I // 2
+        nsc: tl.constexpr = I // G
+        w_rows = w_ptr + e * D * half_i + n.to(tl.int64) * half_i
+        s_rows = s_ptr + e * D * nsc + n.to(tl.int64) * nsc
+        gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
+        for ci in range(NCHUNK):
+          c0 = ci * BLOCK_M
+          if c0 < count:
+            pair, r_ok = _rows_of_chunk(offs, match, rank, count, c0, BLOCK_M)
+            a_rows = a_ptr + pair.to(tl.int64) * I
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, I // BLOCK_K):
+                av = tl.load(a_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
+                ae, ao = tl.split(tl.reshape(av, (BLOCK_M, HK, 2)))
+                ae = ae.to(CDT)
+                ao = ao.to(CDT)
+                pw = tl.load(w_rows[:, None] + (kk * HK + kb)[None, :])
+                sw = _decode_scale(tl.load(s_rows[:, None] + (kk * (HK // HG) + ks)[None, :]), IS_NV, FOLD)
+                wl, wh = _decode_nibbles(pw, USE_ASM, FOLD)
+                wl = _scaled(wl, sw, BLOCK_N, HK, HG, CDT)
+                wh = _scaled(wh, sw, BLOCK_N, HK, HG, CDT)
+                acc = tl.dot(ae, tl.trans(wl), acc)
+                acc = tl.dot(ao, tl.trans(wh), acc)
+            dst = y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :]
+            tl.store(dst, acc * gw, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + n, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * D + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Launch configuration (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel.  "small"
+# serves up to ``small_max_pairs`` (token, expert) pairs (T=1 decode: more, narrower
+# programs), "large" the rest.  A ``config`` argument with "gate_up"/"down" keys overrides
+# both.  Measured on the H200 (BENCHMARKS.md): BLOCK_N=32 is best at T=1, 64 from T=2.
+CONFIG = {
+    "small": dict(gate_up=dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+                  down=dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)),
+    "large": dict(gate_up=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+                  down=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
+    "small_max_pairs": 8,
+    # PTX decode (4 bytes -> 8 bf16 per call); DSV4_FP4_MOE_NO_ASM=1 forces the portable path.
+    "use_asm": os.environ.get("DSV4_FP4_MOE_NO_ASM", "0") != "1",
+    # fold the 2**126 decode factor into scale (2**63) and global (2**63): one bf16x2
+    # multiply fewer per two weights; exact for NVFP4 and for E8M0 exponents 65..191.
+    "fold_scale": False,
+}
+
+
+def _block_m(pairs: int, experts: int) -> int:
+    """Rows per MMA tile: sized to the expected tokens per expert (not to T), so decode
+    batches with few tokens per expert do not pay for empty rows; more rows loop."""
+    return min(64, max(16, triton.next_power_of_2(triton.cdiv(pairs, experts))))
+
+
+def fp4_moe_triton(*args, config: dict | None = None):
+    """``fp4_moe`` on CUDA (see the module docstring)."""
+    return _fp4_moe_triton(*args, config=config)
+
+
+def _fp4_moe_triton(
+    x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit,
+    config: dict | None = None,
+):
+    """Launch the three kernels; shapes validated by ``check_fp4_moe_inputs``."""
+    check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt)
+    for name, ten in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if not ten.is_contiguous():
+            raise ValueError(f"fp4_moe (CUDA) needs contiguous expert tensors; {name} is not (call .contiguous() once at load).")
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    f = fp4.get_format(fmt)
+    t, d = x.shape
+    k = topk_ids.shape[1]
+    inter = w2.shape[-1] * 2
+    p = t * k
+    out = torch.empty_like(x)
+    if p == 0:
+        return out.zero_()
+    x_c = x.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    rw = topk_weights.to(torch.float32).contiguous().view(-1)
+    act = torch.empty(p, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(p, d, dtype=torch.float32, device=x.device)
+    pb = max(16, triton.next_power_of_2(p))
+    bm = _block_m(p, w13.shape[0])
+    nchunk = triton.cdiv(p, bm)  # an expert serves at most P pairs (T unless ids repeat in a row)
+    if "gate_up" in cfg:
+        gu, dn = cfg["gate_up"], cfg["down"]
+    else:
+        regime = cfg["small"] if p <= cfg["small_max_pairs"] else cfg["large"]
+        gu, dn = regime["gate_up"], regime["down"]
+    fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"])
+    is_nv = f.name == "nvfp4"
+    # The CPU interpreter (TRITON_INTERPRET=1, used for CPU debugging) mishandles bf16
+    # MMAs, so it multiplies in fp32; on the GPU the MMA operands are bf16.
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    cdt = tl.float32 if interp else tl.bfloat16
+    for c in (gu, dn):
+        if c["BLOCK_K"] % f.group_size or c["BLOCK_K"] // 2 < 4:
+            raise ValueError(f"BLOCK_K={c['BLOCK_K']} must be a multiple of the group size {f.group_size}.")
+    if d % gu["BLOCK_K"] or inter % dn["BLOCK_K"] or inter % gu["BLOCK_N"] or d % dn["BLOCK_N"]:
+        raise ValueError(f"D={d} / I={inter} must be multiples of the kernel blocks {gu} / {dn}.")
+    _gate_up_kernel[(p, triton.cdiv(inter, gu["BLOCK_N"]))](
+        x_c, ids, rw, w13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
+        p, inter, d,
+        TOPK=k, PB=pb, G=f.group_size, IS_NV=is_nv, LIMIT=float(swiglu_limit),
+        NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt, FOLD=fold,
+        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+    )
+    _down_kernel[(p, triton.cdiv(d, dn["BLOCK_N"]))](
+        act, ids, w2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
+        p, inter, d,
+        PB=pb, G=f.group_size, IS_NV=is_nv,
+        NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt, FOLD=fold,
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+    )
+    blk = 1024
+    _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4)
+    return out
+
+
+def kernel_supports(hidden: int, intermediate: int) -> bool:
+    """Whether the default kernel blocks tile these sizes (V4-Flash and V4-Pro do)."""
+    blocks = (CONFIG["small"], CONFIG["large"])
+    return all(
+        hidden % c["gate_up"]["BLOCK_K"] == 0 and intermediate % c["down"]["BLOCK_K"] == 0
+        and intermediate % c["gate_up"]["BLOCK_N"] == 0 and hidden % c["down"]["BLOCK_N"] == 0
+        for c in blocks
+    )
+
+
+@fp4_moe.register_kernel("cuda")
+def _fp4_moe_cuda(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit):
+    if not kernel_supports(x.shape[-1], w2.shape[-1] * 2):  # small (test/demo) models: the reference math
+        return fp4_moe_reference(
+            x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
+        )
+    return fp4_moe_triton(
+        x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
+    )
