@@ -130,6 +130,10 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
     ``from_pretrained``, or :meth:`bind`), then ``target.generate(ids, assistant_model=mtp)``.
     """
 
+    # The transformers candidate generator used for assisted generation (None: the default
+    # `generation.MtpCandidateGenerator`); tests swap in oracles here.
+    candidate_generator_class = None
+
     def __init__(self, config: DeepseekV4MtpConfig, target_model=None):
         super().__init__(config)
         d = config.hidden_size
@@ -141,6 +145,8 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self._shared: _SharedTargetModules | None = None
+        self._active_run = None  # set by the binding during an assisted generate call
+        self.last_generation_stats = None  # GenerationStats of the last assisted generate call
         self.post_init()
         if self.generation_config is not None:
             self.generation_config.num_assistant_tokens = 3
@@ -150,10 +156,29 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target_model=None, **kwargs):
+        """Load a standalone MTP checkpoint (``model_type: deepseek_v4_mtp``, ours) or the MTP
+        layer of an original DeepSeek-V4 release (``model_type: deepseek_v4``; only the
+        shards holding ``mtp.*`` are fetched). ``device_map="auto"`` with a target places
+        the MTP where the target's lm head lives."""
+        from .loading import is_native_checkpoint, load_native_mtp
+        from .loading.native import lm_head_device
+
+        if not args and is_native_checkpoint(pretrained_model_name_or_path, kwargs):
+            return load_native_mtp(cls, pretrained_model_name_or_path, target_model=target_model, **kwargs)
+        if target_model is not None and kwargs.get("device_map") == "auto":
+            kwargs["device_map"] = {"": lm_head_device(target_model)}
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if target_model is not None:
             model.bind(target_model)
         return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained`` (experts stay packed, no embedding/head), plus the
+        thin Hub remote-code files and their ``auto_map`` so that
+        ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads the draft."""
+        from .loading import save_with_remote_code
+
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     # -- binding to the target -----------------------------------------------------------------
     @property
@@ -187,25 +212,19 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         self.check_target(target)
         if self._shared is not None and self._shared.target is not target:
             self.unbind()
+        from .generation.binding import attach  # lazy: generation builds on the model, not the reverse
+
         self._shared = _SharedTargetModules(target)
-        try:
-            from .generation.binding import attach
-        except ImportError:  # generation glue not available
-            attach = None
-        if attach is not None:
-            attach(self, target)
+        attach(self, target)
         return self
 
     def unbind(self) -> None:
         """Detach from the target; the target behaves exactly as before binding."""
         if self._shared is None:
             return
-        try:
-            from .generation.binding import detach
-        except ImportError:
-            detach = None
-        if detach is not None:
-            detach(self, self._shared.target)
+        from .generation.binding import detach
+
+        detach(self, self._shared.target)
         self._shared = None
 
     def _require_bound(self) -> _SharedTargetModules:

@@ -1,0 +1,143 @@
+"""Binding an MTP draft to a transformers `DeepseekV4ForCausalLM` target.
+
+transformers refuses assisted generation for V4 (`_is_stateful`) and only builds its own
+candidate generators.  Binding changes nothing process-wide: it sets per-instance
+attributes on the ONE target object (`generate` and `_get_candidate_generator`), which
+defer to the class's own methods unless this MTP is the `assistant_model`.  Only inside
+such a call does the target get a rollback-able cache, a hook that hands its pre-`hc_head`
+residual to the draft, and `_is_stateful = False`.  `unbind()` removes all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+
+import torch
+
+from .candidate import MtpCandidateGenerator
+from .stats import GenerationStats
+from .target_cache import RollbackDeepseekV4Cache
+
+_INSTANCE_ATTRS = ("generate", "_get_candidate_generator")
+
+
+class _AssistedRun:
+    """State of one assisted `generate` call."""
+
+    def __init__(self, mtp, target, num_assistant_tokens: int):
+        self.mtp, self.target = mtp, target
+        self.num_assistant_tokens = num_assistant_tokens
+        self.stats = GenerationStats(num_assistant_tokens)
+        self._residual = None
+        self._hook = target.model.hc_head.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args):
+        self._residual = args[0]
+
+    def take_residual(self) -> torch.Tensor | None:
+        residual, self._residual = self._residual, None
+        return residual
+
+    def close(self) -> None:
+        self._hook.remove()
+        self._residual = None
+
+
+def _input_ids(args, kwargs):
+    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs")):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _cache_kwarg(target) -> str:
+    """transformers >= 5.24 calls the cache `cache`; 5.17 calls it `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
+
+
+def attach(mtp, target) -> None:
+    drafts = target.__dict__.get("_dsv4_mtp_drafts")
+    if drafts is not None:  # already wrapped (another draft may share this target)
+        drafts.add(mtp)
+        return
+    cls_generate = type(target).generate
+    cls_get_candidate_generator = type(target)._get_candidate_generator
+
+    @functools.wraps(cls_generate)
+    def generate(*args, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        if assistant is None or getattr(getattr(assistant, "config", None), "model_type", None) != "deepseek_v4_mtp":
+            return cls_generate(target, *args, **kwargs)
+        if assistant.target_model is not target:
+            raise ValueError(
+                "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
+                f"{'no target' if assistant.target_model is None else 'a different target'}); call "
+                "`mtp.bind(target)` first."
+            )
+        return _assisted_generate(assistant, target, cls_generate, args, kwargs)
+
+    def _get_candidate_generator(*args, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        run = getattr(assistant, "_active_run", None)
+        if run is None or run.target is not target:
+            return cls_get_candidate_generator(target, *args, **kwargs)
+        return (assistant.candidate_generator_class or MtpCandidateGenerator)(
+            assistant, run, kwargs["generation_config"], logits_processor=kwargs.get("logits_processor")
+        )
+
+    target.generate = generate
+    target._get_candidate_generator = _get_candidate_generator
+    target._dsv4_mtp_drafts = weakref.WeakSet([mtp])
+
+
+def detach(mtp, target) -> None:
+    drafts = target.__dict__.get("_dsv4_mtp_drafts")
+    if drafts is None:
+        return
+    drafts.discard(mtp)
+    if not drafts:  # the last draft leaves: the target is exactly as before binding
+        for name in _INSTANCE_ATTRS + ("_dsv4_mtp_drafts",):
+            target.__dict__.pop(name, None)
+
+
+def _assisted_generate(mtp, target, cls_generate, args, kwargs):
+    ids = _input_ids(args, kwargs)
+    if ids is not None and ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(
+            f"MTP speculative decoding through `generate(assistant_model=...)` runs one sequence at a time "
+            f"(transformers' assisted loop is batch-1), got a batch of {ids.shape[0]}. Generate each sequence "
+            "separately."
+        )
+    k = kwargs.pop("num_assistant_tokens", None)
+    k = mtp.generation_config.num_assistant_tokens if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1 (drafts per round), got {k!r}.")
+    if k - 1 > mtp.config.max_draft_tokens:
+        raise ValueError(
+            f"`num_assistant_tokens`={k} exceeds what the MTP cache can roll back "
+            f"(config.max_draft_tokens={mtp.config.max_draft_tokens}); raise `mtp.config.max_draft_tokens`."
+        )
+    name = _cache_kwarg(target)
+    other = "past_key_values" if name == "cache" else "cache"
+    cache = kwargs.pop(name, None)
+    cache = kwargs.pop(other, None) if cache is None else cache
+    if cache is None:
+        cache = RollbackDeepseekV4Cache(target.config, max_rollback=k)
+    elif not isinstance(cache, RollbackDeepseekV4Cache) or cache.max_rollback < k:
+        raise ValueError(
+            "MTP speculative decoding needs a target cache that rolls back compressed-attention state: pass no "
+            f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
+        )
+    kwargs[name] = cache
+    run = _AssistedRun(mtp, target, k)
+    mtp.last_generation_stats = run.stats
+    mtp._active_run = run
+    target._is_stateful = False  # instance attribute: this call only
+    try:
+        return cls_generate(target, *args, **kwargs)
+    finally:
+        run.close()
+        mtp._active_run = None
+        target.__dict__.pop("_is_stateful", None)

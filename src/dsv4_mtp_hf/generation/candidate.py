@@ -1,0 +1,110 @@
+"""The MTP as a transformers candidate generator (SPEC §2, §7).
+
+Bookkeeping per round, with ``L`` confirmed tokens ``t_0..t_{L-1}`` of which the target
+has processed all but the last (its residuals ``X_0..X_{L-2}`` are known):
+
+* MTP rows ``0..L-2`` pair ``X_p`` with the confirmed ``t_{p+1}``.  The rows not yet in the
+  MTP cache (those verified in the last round) are computed in one forward from the
+  target's residual; the last of them predicts the first draft.
+* Each further draft row feeds the MTP's own residual back with the drafted token.
+* Draft rows are provisional: the next round crops the MTP cache back to the confirmed
+  rows and recomputes them from the target's residual.
+
+The very first round (before the target has run) proposes nothing, so the target's
+prefill produces the residuals the MTP needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .stats import GenerationStats
+
+
+class MtpCandidateGenerator(CandidateGenerator):
+    requires_model_outputs = True
+    model_kwargs_overrides: dict = {}  # the residual arrives through a hook, not hidden states
+
+    def __init__(self, mtp, run, generation_config, logits_processor=None):
+        self.mtp = mtp
+        self.run = run  # the binding's per-call state: residual capture, K, stats
+        self.num_assistant_tokens = run.num_assistant_tokens
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.max_length = generation_config.max_length
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos_token_ids = set() if eos is None else set(eos.reshape(-1).tolist())
+        self.cache = mtp.new_cache()
+        self.confirmed_rows = 0  # MTP rows computed from the target's residual with confirmed tokens
+        self.last_drafted = 0
+        self.last_input_length = None
+
+    # -- drafting -----------------------------------------------------------------------------
+    def select(self, processed_logits: torch.Tensor, sequence: torch.LongTensor) -> torch.LongTensor:
+        """Draft token from the processed MTP logits ``[1, V]``: argmax, or a sample of the
+        distribution handed to the verifier (exact speculative sampling)."""
+        if self.do_sample:
+            return torch.multinomial(processed_logits.softmax(dim=-1), num_samples=1)
+        return processed_logits.argmax(dim=-1, keepdim=True)
+
+    def _process(self, logits: torch.Tensor, sequence: torch.LongTensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.logits_processor:
+            logits = self.logits_processor(sequence, logits)
+        return logits
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        length = input_ids.shape[1]
+        self.last_input_length = length
+        if is_first_iteration:
+            self.last_drafted = 0
+            return input_ids, None
+        residual = self.run.take_residual()
+        new_rows = length - 1 - self.confirmed_rows
+        if residual is None or residual.shape[1] < new_rows or new_rows < 1:
+            raise RuntimeError(
+                f"MTP drafting lost track of the target: {new_rows} verified rows to recompute but the target's "
+                f"last forward produced {None if residual is None else residual.shape[1]} residual rows."
+            )
+        mtp, device = self.mtp, self.mtp.e_proj.weight.device
+        # Roll the draft rows back and recompute the verified ones from the target's residual.
+        self.cache.crop(self.confirmed_rows)
+        out = mtp(
+            input_ids[:, self.confirmed_rows + 1 : length].to(device),
+            residual[:, :new_rows],
+            position_ids=torch.arange(self.confirmed_rows, length - 1, device=device).unsqueeze(0),
+            past_key_values=self.cache,
+            logits_to_keep=1,
+        )
+        self.confirmed_rows = length - 1
+
+        budget = min(self.num_assistant_tokens, self.max_length - length - 1)
+        sequence = input_ids
+        drafts, draft_logits = [], []
+        for k in range(budget):
+            processed = self._process(out.logits[:, -1], sequence.to(out.logits.device))
+            token = self.select(processed, sequence).to(input_ids.device)
+            drafts.append(token)
+            draft_logits.append(processed)
+            sequence = torch.cat([sequence, token], dim=-1)
+            if int(token) in self.eos_token_ids or k == budget - 1:
+                break
+            position = length - 1 + k
+            out = mtp(
+                token.to(device),
+                out.residual[:, -1:],
+                position_ids=torch.tensor([[position]], device=device),
+                past_key_values=self.cache,
+            )
+        self.last_drafted = len(drafts)
+        if not drafts:
+            return input_ids, None
+        return sequence, torch.stack(draft_logits, dim=1)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        new_tokens = input_ids.shape[1] - (self.last_input_length or input_ids.shape[1])
+        accepted = min(int(num_matches), self.last_drafted)
+        self.run.stats.record_round(self.last_drafted, accepted, new_tokens)

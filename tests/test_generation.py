@@ -1,0 +1,229 @@
+"""`target.generate(assistant_model=mtp)` on transformers' own DeepseekV4ForCausalLM."""
+
+import pytest
+import torch
+
+from dsv4_mtp_hf import DeepseekV4MtpForCausalLM
+from dsv4_mtp_hf.generation import MtpCandidateGenerator, RollbackDeepseekV4Cache
+
+from .helpers import tiny_pair
+
+# Layers mix sliding, CSA (rate 4) and HCA (rate 8) attention with an 8-token window:
+# 200 new tokens cross dozens of window and compression boundaries.
+PROMPT_LEN = 11
+
+
+def prompt(seed=0, length=PROMPT_LEN, vocab=320):
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class OracleDrafts(MtpCandidateGenerator):
+    """Drafts the target's true greedy continuation except at chosen positions, while the
+    real MTP still runs (its cache is filled, rolled back and recomputed as usual)."""
+
+    truth: torch.Tensor = None
+    wrong_at: set = set()
+    recorded: list = []
+
+    def _process(self, logits, sequence):
+        OracleDrafts.recorded.append((sequence.shape[1], logits.clone(), sequence.shape[1] == self.last_input_length))
+        return super()._process(logits, sequence)
+
+    def select(self, processed_logits, sequence):
+        pos = sequence.shape[1]
+        tok = int(self.truth[0, pos]) if pos < self.truth.shape[1] else 0
+        if pos in self.wrong_at:
+            tok = (tok + 1) % processed_logits.shape[-1]
+        return torch.tensor([[tok]])
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_assisted_output_is_identical_to_plain_greedy(k):
+    target, mtp = tiny_pair(seed=k)
+    ids = prompt(k)
+    kw = dict(max_new_tokens=200, min_new_tokens=200, do_sample=False)
+    plain = target.generate(ids, **kw)
+    assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw)
+    assert plain.shape[1] == PROMPT_LEN + 200
+    assert torch.equal(assisted, plain)
+    stats = mtp.last_generation_stats
+    assert stats.num_assistant_tokens == k and stats.new_tokens == 200
+    assert stats.drafted == stats.rounds * k or stats.drafted >= stats.rounds  # budget trims the last rounds
+    assert len(stats.acceptance_by_position) == k
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [2, 3])
+def test_partly_correct_drafts_exercise_acceptance_and_rejection(k):
+    target, mtp = tiny_pair(seed=10 + k)
+    ids = prompt(10 + k)
+    kw = dict(max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    plain = target.generate(ids, **kw)
+    OracleDrafts.truth = plain
+    OracleDrafts.wrong_at = {PROMPT_LEN + i for i in range(0, 80, 7)} | {PROMPT_LEN + i for i in range(3, 80, 11)}
+    OracleDrafts.recorded = []
+    mtp.candidate_generator_class = OracleDrafts
+    try:
+        assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw)
+    finally:
+        mtp.candidate_generator_class = None
+    assert torch.equal(assisted, plain)
+    s = mtp.last_generation_stats
+    assert 0 < s.accepted < s.drafted  # both paths taken
+    assert s.mean_accepted_length > 1.5
+    assert s.new_tokens == 80 and s.rounds < 80
+
+    # Every round's first draft comes from MTP rows recomputed from the target's residual after
+    # a rollback: its logits equal a fresh, uncached MTP pass over the final sequence.
+    captured = []
+    hook = target.model.hc_head.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+    with torch.no_grad():
+        target(plain)
+        hook.remove()
+        fresh = mtp(plain[:, 1:], captured[0][:, :-1]).logits[0]  # row p predicts t_{p+2}
+    firsts = [(pos, raw) for pos, raw, first in OracleDrafts.recorded if first]
+    assert len(firsts) == s.rounds
+    for pos, raw in firsts:
+        torch.testing.assert_close(raw[0], fresh[pos - 2], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.tf_internals
+def test_eos_inside_accepted_drafts_ends_generation_like_plain():
+    target, mtp = tiny_pair(seed=3)
+    ids = prompt(3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    eos = int(plain[0, PROMPT_LEN + 25])  # make a token the model emits mid-way the EOS
+    want = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=eos)
+    OracleDrafts.truth, OracleDrafts.wrong_at, OracleDrafts.recorded = plain, set(), []
+    mtp.candidate_generator_class = OracleDrafts
+    try:
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=60, do_sample=False, eos_token_id=eos)
+    finally:
+        mtp.candidate_generator_class = None
+    assert torch.equal(got, want)
+    assert int(got[0, -1]) == eos and got.shape[1] < PROMPT_LEN + 60
+
+
+@pytest.mark.tf_internals
+def test_max_new_tokens_and_stopping_criteria_are_respected():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= PROMPT_LEN + 17, dtype=torch.bool)
+
+    target, mtp = tiny_pair(seed=4)
+    ids = prompt(4)
+    plain = target.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    OracleDrafts.truth, OracleDrafts.wrong_at, OracleDrafts.recorded = plain, set(), []
+    mtp.candidate_generator_class = OracleDrafts
+    try:
+        for n in (1, 2, 5, 13):
+            got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            assert torch.equal(got, plain[:, : PROMPT_LEN + n])
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=40, min_new_tokens=40,
+                              do_sample=False, stopping_criteria=StoppingCriteriaList([StopAtLength()]))
+    finally:
+        mtp.candidate_generator_class = None
+    # accepted drafts may overshoot a custom criterion within the last round, as transformers' own
+    # assisted loop does; the tokens are still the target's greedy tokens
+    assert PROMPT_LEN + 17 <= got.shape[1] <= PROMPT_LEN + 17 + 3
+    assert torch.equal(got, plain[:, : got.shape[1]])
+
+
+def _chi2_pvalue(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
+    """Two-sample chi-square homogeneity test on token counts."""
+    ca, cb = torch.bincount(a, minlength=vocab).double(), torch.bincount(b, minlength=vocab).double()
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    na, nb = ca.sum(), cb.sum()
+    tot = ca + cb
+    ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+    stat = (((ca - ea) ** 2) / ea + ((cb - eb) ** 2) / eb).sum()
+    df = int(keep.sum()) - 1
+    return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
+
+
+@pytest.mark.tf_internals
+def test_speculative_sampling_matches_plain_sampling_in_distribution():
+    vocab = 16
+    target, mtp = tiny_pair(seed=5, target_overrides=dict(vocab_size=vocab, num_hidden_layers=2,
+                                                           layer_types=["sliding_attention", "compressed_sparse_attention"],
+                                                           mlp_layer_types=["moe", "moe"]))
+    ids = prompt(5, length=6, vocab=vocab)
+    kw = dict(do_sample=True, temperature=1.3, top_k=10, max_new_tokens=3, min_new_tokens=3)
+    n = 600
+    torch.manual_seed(0)
+    plain = target.generate(ids.expand(n, -1), **kw)[:, -3:]
+    torch.manual_seed(1)
+    assisted, drafted, accepted = [], 0, 0
+    for _ in range(n):
+        assisted.append(target.generate(ids, assistant_model=mtp, num_assistant_tokens=2, **kw)[0, -3:])
+        drafted += mtp.last_generation_stats.drafted
+        accepted += mtp.last_generation_stats.accepted
+    assisted = torch.stack(assisted)
+    assert accepted > 0.15 * drafted  # the accept path of speculative sampling is exercised
+    for i in range(3):
+        assert _chi2_pvalue(plain[:, i], assisted[:, i], vocab) > 1e-3, f"token {i} distribution differs"
+
+
+def test_bad_inputs_give_clear_errors():
+    target, mtp = tiny_pair(seed=6)
+    ids = prompt(6)
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        target.generate(ids, assistant_model=mtp, num_assistant_tokens=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        target.generate(ids, assistant_model=mtp, num_assistant_tokens=mtp.config.max_draft_tokens + 5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        target.generate(ids.expand(2, -1), assistant_model=mtp, max_new_tokens=4)
+    with pytest.raises(ValueError, match="RollbackDeepseekV4Cache"):
+        from transformers import DynamicCache
+
+        target.generate(ids, assistant_model=mtp, max_new_tokens=4, past_key_values=DynamicCache(config=target.config))
+    other_target, other_mtp = tiny_pair(seed=7)
+    with pytest.raises(ValueError, match="not bound to the target"):
+        target.generate(ids, assistant_model=other_mtp, max_new_tokens=4)
+
+
+def test_plain_generate_is_unchanged_while_bound_and_unbind_restores_the_target():
+    target, mtp = tiny_pair(seed=8)
+    ids = prompt(8)
+    bound = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "generate" in target.__dict__
+    mtp.unbind()
+    assert "generate" not in target.__dict__ and "_get_candidate_generator" not in target.__dict__
+    assert not mtp.is_bound
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False), bound)
+    with pytest.raises(ValueError, match="stateful"):  # transformers' own refusal, untouched
+        target.generate(ids, assistant_model=mtp, max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="not bound"):
+        mtp(ids, torch.randn(1, ids.shape[1], mtp.config.hc_mult, mtp.config.hidden_size))
+    mtp.bind(target)
+    target.generate(ids, assistant_model=mtp, max_new_tokens=4)
+
+
+def test_two_drafts_can_share_one_target():
+    target, mtp = tiny_pair(seed=8)
+    second = DeepseekV4MtpForCausalLM(mtp.config).eval()
+    second.load_state_dict(mtp.state_dict())
+    second.bind(target)
+    ids = prompt(8)
+    plain = target.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=second, max_new_tokens=10, do_sample=False), plain)
+    mtp.unbind()
+    assert "generate" in target.__dict__  # still bound to `second`
+    assert torch.equal(target.generate(ids, assistant_model=second, max_new_tokens=10, do_sample=False), plain)
+    second.unbind()
+    assert "generate" not in target.__dict__
+
+
+def test_user_supplied_rollback_cache_is_used():
+    target, mtp = tiny_pair(seed=9)
+    ids = prompt(9)
+    cache = RollbackDeepseekV4Cache(target.config, max_rollback=3)
+    plain = target.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=20, min_new_tokens=20,
+                          do_sample=False, past_key_values=cache)
+    assert torch.equal(got, plain)
+    assert cache.get_seq_length() == plain.shape[1] - 1
