@@ -227,3 +227,38 @@ def test_user_supplied_rollback_cache_is_used():
                           do_sample=False, past_key_values=cache)
     assert torch.equal(got, plain)
     assert cache.get_seq_length() == plain.shape[1] - 1
+
+
+@pytest.mark.parametrize("subset", ["first_n", "token_ids"])
+def test_reduced_draft_vocabulary_keeps_greedy_output_exact(subset):
+    target, mtp = tiny_pair(seed=12, mtp_vocab_size=100 if subset == "first_n" else None)
+    if subset == "token_ids":
+        mtp.set_draft_vocab(torch.arange(3, 320, 3))
+    allowed = mtp.draft_vocab_ids()
+    ids = prompt(12)
+    hs = torch.randn(1, ids.shape[1], mtp.config.hc_mult, mtp.config.hidden_size)
+    with torch.no_grad():
+        full = mtp(ids, hs).logits
+        small = mtp(ids, hs, draft_vocab=True).logits
+    torch.testing.assert_close(small[..., allowed], full[..., allowed])
+    outside = torch.ones(mtp.config.vocab_size, dtype=torch.bool)
+    outside[allowed] = False
+    assert torch.isneginf(small[..., outside]).all()
+    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    plain = target.generate(ids, **kw)
+    recorded = []
+
+    class Recording(MtpCandidateGenerator):
+        def select(self, processed_logits, sequence):
+            tok = super().select(processed_logits, sequence)
+            recorded.append(int(tok))
+            return tok
+
+    mtp.candidate_generator_class = Recording
+    try:
+        assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+    finally:
+        mtp.candidate_generator_class = None
+    assert recorded and set(recorded) <= set(allowed.tolist())
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        mtp.set_draft_vocab([mtp.config.vocab_size])

@@ -241,6 +241,48 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return None if self._shared is None else self._shared.lm_head
 
+    # -- draft vocabulary ----------------------------------------------------------------------
+    def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None = None) -> None:
+        """Draft only over ``token_ids`` (e.g. the most frequent tokens): the lm head, the
+        dominant cost of a draft step, shrinks to those rows.  ``None`` restores the config's
+        choice (the first ``config.mtp_vocab_size`` ids, or the full vocabulary).  The
+        verifier always sees full-vocabulary logits; drafts outside the subset never happen
+        (their logits are ``-inf``), which keeps speculative sampling exact."""
+        self._draft_head_cache = None
+        if token_ids is None:
+            self._draft_ids = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be a non-empty set within [0, {self.config.vocab_size}).")
+        self._draft_ids = ids
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The ids drafts are restricted to (None: the full vocabulary)."""
+        ids = getattr(self, "_draft_ids", None)
+        if ids is None and self.config.mtp_vocab_size not in (None, self.config.vocab_size):
+            ids = torch.arange(self.config.mtp_vocab_size)
+        return ids
+
+    def _lm_logits(self, h: torch.Tensor, head: nn.Module, draft_vocab: bool) -> torch.Tensor:
+        h = h.to(device=head.weight.device, dtype=head.weight.dtype)
+        ids = self.draft_vocab_ids() if draft_vocab else None
+        if ids is None:
+            return head(h)
+        key = (head.weight.device, head.weight.dtype, ids.numel())
+        cached = getattr(self, "_draft_head_cache", None)
+        if cached is None or cached[0] != key:
+            ids = ids.to(head.weight.device)
+            if getattr(self, "_draft_ids", None) is None:
+                rows = None  # the first N rows: sliced per call, a view, no copy
+            else:  # a token subset: its rows gathered once (call set_draft_vocab again if the head changes)
+                rows = head.weight.detach().index_select(0, ids)
+            cached = self._draft_head_cache = (key, ids, rows)
+        _, ids, rows = cached
+        small = nn.functional.linear(h, head.weight[: ids.numel()] if rows is None else rows)
+        logits = small.new_full((*small.shape[:-1], head.weight.shape[0]), float("-inf"))
+        return logits.index_copy_(-1, ids, small)
+
     def new_cache(self) -> MtpKVCache:
         return MtpKVCache.from_config(self.config)
 
@@ -285,11 +327,13 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
         cache: MtpKVCache | None = None,
+        draft_vocab: bool = False,
         **kwargs,
     ) -> DeepseekV4MtpOutput:
         """Row p: residual ``hidden_states[:, p]`` of the target at position p, token
         ``input_ids[:, p] = t_{p+1}``; predicts ``t_{p+2}``.  ``labels[:, p]`` (optional) is
-        that ``t_{p+2}``; -100 ignores a row."""
+        that ``t_{p+2}``; -100 ignores a row.  ``draft_vocab=True`` computes logits only for
+        the draft vocabulary (see :meth:`set_draft_vocab`); the other entries are ``-inf``."""
         shared = self._require_bound()
         if cache is not None:
             past_key_values = cache
@@ -315,8 +359,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         residual = self.block(x, cos, sin, position_ids, past_key_values)
         h = residual if not logits_to_keep else residual[:, -logits_to_keep:]
         h = self.norm(self.hc_head(h))
-        head = shared.lm_head
-        logits = head(h.to(device=head.weight.device, dtype=head.weight.dtype))
+        logits = self._lm_logits(h, shared.lm_head, draft_vocab)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(

@@ -78,6 +78,7 @@ class MtpCandidateGenerator(CandidateGenerator):
             position_ids=torch.arange(self.confirmed_rows, length - 1, device=device).unsqueeze(0),
             past_key_values=self.cache,
             logits_to_keep=1,
+            draft_vocab=True,
         )
         self.confirmed_rows = length - 1
 
@@ -98,6 +99,7 @@ class MtpCandidateGenerator(CandidateGenerator):
                 out.residual[:, -1:],
                 position_ids=torch.tensor([[position]], device=device),
                 past_key_values=self.cache,
+                draft_vocab=True,
             )
         self.last_drafted = len(drafts)
         if not drafts:
