@@ -288,10 +288,26 @@ def _cfg(bn, bk, warps, stages, bn2=None, bk2=None, warps2=None, stages2=None):
 
 
 SWEEP = {
-    "fold": dict(fold_scale=True),
-    "n32k256s3": _cfg(32, 256, 4, 3),
-    "n64k256s4": _cfg(64, 256, 4, 4),
-    "n64k256s3": _cfg(64, 256, 4, 3),
+    # timing breakdown of the default configuration: one kernel alone (result not checked)
+    "only_gu": dict(only="gate_up"),
+    "only_dn": dict(only="down"),
+    "nofold": dict(fold_scale=False),
+    # T=1: more bytes in flight per program (deeper pipeline / wider K steps)
+    "g32s4": _cfg(32, 256, 4, 4),
+    "g32s5d512": _cfg(32, 256, 4, 5, 32, 512, 4, 3),
+    "k512": _cfg(32, 512, 4, 3),
+    "d512s4": _cfg(32, 256, 4, 4, 32, 512, 4, 4),
+    "d64": _cfg(32, 256, 4, 3, 64, 256, 4, 3),
+    "d64s4": _cfg(32, 256, 4, 4, 64, 256, 4, 4),
+    "n64w8": _cfg(64, 256, 8, 3),
+    "n128w8": _cfg(128, 256, 8, 3),
+    "n256w8": _cfg(256, 256, 8, 3),
+    "n32w4": _cfg(32, 256, 4, 3),
+    "n64w4": _cfg(64, 256, 4, 3),
+    "n32w2": _cfg(32, 256, 2, 3),
+    "n64w2": _cfg(64, 256, 2, 3),
+    "n128w4": _cfg(128, 256, 4, 3),
+    "n64s4": _cfg(64, 256, 4, 4),
     "noasm": dict(use_asm=False),
 }
 
@@ -309,8 +325,10 @@ def main():
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=6)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--sweep", default="", help="comma list of SWEEP variants to time too (or 'all')")
+    ap.add_argument("--sweep", default="", help="comma list of SWEEP variants to time too (or 'all'); "
+                    "name@1+16 times a variant only at those T")
     ap.add_argument("--sweep-fmts", default="nvfp4")
+    ap.add_argument("--sweep-ts", default="", help="T values at which the variants are timed (default: all)")
     ap.add_argument("--no-humming", action="store_true")
     ap.add_argument("--ref-ts", default="1,16", help="T values at which the eager reference path is timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -325,7 +343,10 @@ def main():
     E, D, I, K = args.experts, args.hidden, args.inter, args.topk
     Ts = [int(t) for t in args.ts.split(",")]
     ref_ts = {int(t) for t in args.ref_ts.split(",") if t}
-    sweep = list(SWEEP) if args.sweep == "all" else [s for s in args.sweep.split(",") if s]
+    sweep_items = list(SWEEP) if args.sweep == "all" else [s for s in args.sweep.split(",") if s]
+    sweep = [s.split("@")[0] for s in sweep_items]
+    sweep_at = {s.split("@")[0]: {int(t) for t in s.split("@")[1].split("+")} for s in sweep_items if "@" in s}
+    sweep_ts = {int(t) for t in args.sweep_ts.split(",") if t}
     log(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} | {torch.cuda.get_device_name()} | torch "
         f"{torch.__version__} | triton {__import__('triton').__version__} | E={E} D={D} I={I} top{K}", file=logf)
     bw = copy_bandwidth()
@@ -377,7 +398,10 @@ def main():
             except Exception as err:  # noqa: BLE001
                 log(f"[{fmt} T={T}] ours FAILED: {type(err).__name__}: {' '.join(str(err).split())[:600]}", file=logf)
                 traceback.print_exc(file=logf)
-            for name in (sweep if fmt in args.sweep_fmts.split(",") else []):
+            sweep_here = fmt in args.sweep_fmts.split(",") and (not args.sweep_ts or T in sweep_ts)
+            for name in (sweep if sweep_here else []):
+                if name in sweep_at and T not in sweep_at[name]:
+                    continue
                 try:
                     o2 = torch.full_like(x, float("nan"))
                     cfgv = SWEEP[name]
@@ -387,7 +411,7 @@ def main():
 
                     var()
                     torch.cuda.synchronize()
-                    e2 = rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")
+                    e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv else None
                     g = capture(var)
                     row[f"v:{name}"] = (bench(g.replay, args.iters, 5, flush), e2)
                     del g

@@ -116,6 +116,63 @@ def test_input_validation():
         check_fp4_moe_inputs(x, ids, rw, *bad, "nvfp4")
 
 
+def _run_decode_ptx(body: str, word: int) -> dict:
+    """Interpret the few PTX instructions of ``DECODE_BODY`` (prmt with an immediate
+    selector, and.b32, mul.lo.u32) on one 32-bit word of four packed bytes."""
+    regs = {"$4": word}
+
+    def val(tok):
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in body.strip().splitlines():
+        op, rest = line.strip().rstrip(";").split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        if op == "prmt.b32":
+            src = val(args[1]) | (val(args[2]) << 32)  # bytes 0-3 from a, 4-7 from b
+            sel, out = val(args[3]), 0
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 15
+                byte = (src >> (8 * (nib & 7))) & 255
+                if nib & 8:  # sign-replicate mode (unused here)
+                    byte = 255 if byte & 128 else 0
+                out |= byte << (8 * i)
+        elif op == "and.b32":
+            out = val(args[1]) & val(args[2])
+        elif op == "mul.lo.u32":
+            out = (val(args[1]) * val(args[2])) & 0xFFFFFFFF
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        regs[args[0]] = out
+    return regs
+
+
+def test_decode_ptx_bits_exact():
+    """The Triton kernels' PTX decode: every e2m1 code in every byte lane gives the bf16
+    bits of its value times 2**-126 (the kernels multiply back by 2**126, or fold it)."""
+    from dsv4_mtp_hf.ops.triton import decode_ptx
+
+    def want_bits(code):  # bf16 of e2m1(code) * 2**-126, computed the slow way
+        v = torch.tensor(fp4.E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0), dtype=torch.float64)
+        v = (v * 2.0**-126).to(torch.float32)
+        bits = int(v.view(torch.int32).item()) & 0xFFFFFFFF
+        assert bits & 0xFFFF == 0  # exactly representable in bf16
+        return bits >> 16
+
+    g = torch.Generator().manual_seed(0)
+    words = [b | (b << 8) | (b << 16) | (b << 24) for b in range(256)]
+    words += torch.randint(0, 2**32, (256,), generator=g, dtype=torch.int64).tolist()
+    for w in words:
+        r = _run_decode_ptx(decode_ptx.DECODE_BODY, w)
+        b = [(w >> (8 * i)) & 255 for i in range(4)]
+        lo = [want_bits(x & 15) for x in b]
+        hi = [want_bits(x >> 4) for x in b]
+        assert r["r0"] == lo[0] | lo[1] << 16 and r["r1"] == lo[2] | lo[3] << 16, hex(w)
+        assert r["r2"] == hi[0] | hi[1] << 16 and r["r3"] == hi[2] | hi[3] << 16, hex(w)
+    # both variants run the same body; only the tail differs (x 2**126, or raw for "fold")
+    assert decode_ptx.DECODE_BODY in decode_ptx.DECODE_ASM and decode_ptx.DECODE_BODY in decode_ptx.DECODE_ASM_RAW
+    assert "0x7E807E80" in decode_ptx.DECODE_ASM  # bf16x2 2**126
+
+
 def test_package_imports_without_triton_on_cpu():
     import dsv4_mtp_hf.ops as ops
 

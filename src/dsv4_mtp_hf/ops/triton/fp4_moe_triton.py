@@ -17,6 +17,12 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
 against the even / odd columns of the activations, so no nibble interleave is needed.
+
+Decode (``decode_ptx``): and / mul / and per two weights gives the bf16 bits of the e2m1
+value times 2**-126.  For NVFP4 ("fold", default) the block scale is taken as e4m3 x 2**63
+and the fp32 global as g x 2**63, so one bf16x2 multiply per two weights applies the scale
+and undoes the 2**-126, exactly; MXFP4 multiplies by 2**126 first (fold would be exact only
+for E8M0 exponents 65..191; ``CONFIG["fold_mxfp4"]`` opts in).
 """
 
 from __future__ import annotations
@@ -29,73 +35,12 @@ import triton.language as tl
 
 from ... import fp4
 from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
+from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 
-# e2m1 code c (bit 3 sign, bits 0-2 = e1 e0 m) -> bf16 bits (c&8)<<12 | (c&7)<<6 is the
-# exact value times 2**-126 (e == 0 lands on the bf16 subnormals 0 and 2**-127); one
-# bf16x2 FMA by 2**126 (0x7E80) makes it exact.  Four packed bytes per call: outputs
-# the four low-nibble values ($0,$1) and the four high-nibble values ($2,$3).
-_DECODE_ASM = tl.constexpr("""
-{
-.reg .b32 t0, t1, a, b, c126, nz;
-mov.b32 c126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 a, t0, 0x00070007;
-shl.b32 a, a, 6;
-and.b32 b, t0, 0x00080008;
-shl.b32 b, b, 12;
-or.b32 a, a, b;
-fma.rn.bf16x2 $0, a, c126, nz;
-and.b32 a, t1, 0x00070007;
-shl.b32 a, a, 6;
-and.b32 b, t1, 0x00080008;
-shl.b32 b, b, 12;
-or.b32 a, a, b;
-fma.rn.bf16x2 $1, a, c126, nz;
-and.b32 a, t0, 0x00700070;
-shl.b32 a, a, 2;
-and.b32 b, t0, 0x00800080;
-shl.b32 b, b, 8;
-or.b32 a, a, b;
-fma.rn.bf16x2 $2, a, c126, nz;
-and.b32 a, t1, 0x00700070;
-shl.b32 a, a, 2;
-and.b32 b, t1, 0x00800080;
-shl.b32 b, b, 8;
-or.b32 a, a, b;
-fma.rn.bf16x2 $3, a, c126, nz;
-}
-""")
-# Same, without the 2**126 multiply (bits = value * 2**-126, bf16 subnormals included);
-# used when the block scale carries 2**63 and the fp32 global the other 2**63.
-_DECODE_ASM_RAW = tl.constexpr("""
-{
-.reg .b32 t0, t1, a, b;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 a, t0, 0x00070007;
-shl.b32 a, a, 6;
-and.b32 b, t0, 0x00080008;
-shl.b32 b, b, 12;
-or.b32 $0, a, b;
-and.b32 a, t1, 0x00070007;
-shl.b32 a, a, 6;
-and.b32 b, t1, 0x00080008;
-shl.b32 b, b, 12;
-or.b32 $1, a, b;
-and.b32 a, t0, 0x00700070;
-shl.b32 a, a, 2;
-and.b32 b, t0, 0x00800080;
-shl.b32 b, b, 8;
-or.b32 $2, a, b;
-and.b32 a, t1, 0x00700070;
-shl.b32 a, a, 2;
-and.b32 b, t1, 0x00800080;
-shl.b32 b, b, 8;
-or.b32 $3, a, b;
-}
-""")
+# The PTX decode (e2m1 nibbles -> bf16 bits) lives in ``decode_ptx`` (no Triton import, so
+# CPU CI checks its constants bit for bit: tests/test_fp4_moe_op.py).
+_DECODE_ASM = tl.constexpr(DECODE_ASM)
+_DECODE_ASM_RAW = tl.constexpr(DECODE_ASM_RAW)
 
 
 @triton.jit
@@ -208,22 +153,22 @@ def _gate_up_kernel(
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, D // BLOCK_K):
                 # index arithmetic by multiplication only, so the byte loads stay 16-byte vectors
-                xv = tl.load(x_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
-                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, HK, 2)))
-                xe = xe.to(CDT)
-                xo = xo.to(CDT)
                 bcol = kk * HK + kb
-                scol = kk * (HK // HG) + ks
                 pg = tl.load(wg_rows[:, None] + bcol[None, :])
                 pu = tl.load(wu_rows[:, None] + bcol[None, :])
-                sg = _decode_scale(tl.load(sg_rows[:, None] + scol[None, :]), IS_NV, FOLD)
-                su = _decode_scale(tl.load(su_rows[:, None] + scol[None, :]), IS_NV, FOLD)
                 gl, gh = _decode_nibbles(pg, USE_ASM, FOLD)
                 ul, uh = _decode_nibbles(pu, USE_ASM, FOLD)
+                xv = tl.load(x_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, HK, 2)))
+                scol = kk * (HK // HG) + ks
+                sg = _decode_scale(tl.load(sg_rows[:, None] + scol[None, :]), IS_NV, FOLD)
+                su = _decode_scale(tl.load(su_rows[:, None] + scol[None, :]), IS_NV, FOLD)
                 gl = _scaled(gl, sg, BLOCK_N, HK, HG, CDT)
                 gh = _scaled(gh, sg, BLOCK_N, HK, HG, CDT)
                 ul = _scaled(ul, su, BLOCK_N, HK, HG, CDT)
                 uh = _scaled(uh, su, BLOCK_N, HK, HG, CDT)
+                xe = xe.to(CDT)
+                xo = xo.to(CDT)
                 acc_g = tl.dot(xe, tl.trans(gl), acc_g)
                 acc_g = tl.dot(xo, tl.trans(gh), acc_g)
                 acc_u = tl.dot(xe, tl.trans(ul), acc_u)
@@ -267,15 +212,15 @@ def _down_kernel(
             a_rows = a_ptr + pair.to(tl.int64) * I
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, I // BLOCK_K):
+                pw = tl.load(w_rows[:, None] + (kk * HK + kb)[None, :])
+                wl, wh = _decode_nibbles(pw, USE_ASM, FOLD)
                 av = tl.load(a_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
                 ae, ao = tl.split(tl.reshape(av, (BLOCK_M, HK, 2)))
-                ae = ae.to(CDT)
-                ao = ao.to(CDT)
-                pw = tl.load(w_rows[:, None] + (kk * HK + kb)[None, :])
                 sw = _decode_scale(tl.load(s_rows[:, None] + (kk * (HK // HG) + ks)[None, :]), IS_NV, FOLD)
-                wl, wh = _decode_nibbles(pw, USE_ASM, FOLD)
                 wl = _scaled(wl, sw, BLOCK_N, HK, HG, CDT)
                 wh = _scaled(wh, sw, BLOCK_N, HK, HG, CDT)
+                ae = ae.to(CDT)
+                ao = ao.to(CDT)
                 acc = tl.dot(ae, tl.trans(wl), acc)
                 acc = tl.dot(ao, tl.trans(wh), acc)
             dst = y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :]
@@ -293,21 +238,31 @@ def _sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + t.to(tl.int64) * D + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# Launch configuration (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel.  "small"
-# serves up to ``small_max_pairs`` (token, expert) pairs (T=1 decode: more, narrower
-# programs), "large" the rest.  A ``config`` argument with "gate_up"/"down" keys overrides
-# both.  Measured on the H200 (BENCHMARKS.md): BLOCK_N=32 is best at T=1, 64 from T=2.
+# Launch configuration (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel, by regime:
+# "small" serves up to ``small_max_pairs`` (token, expert) pairs (T=1 decode: narrower
+# gate/up programs), "large" the rest with 128-row tiles (they amortise the activation
+# operand over more weight rows), and "tall" replaces "large" once the MMA row block
+# reaches ``tall_min_block_m`` (many tokens per expert, prefill: a 64 x 128 tile does not
+# fit in shared memory and 32 x 128 spills registers).  A ``config`` argument with "gate_up"/"down" keys overrides them all.
+# Measured on the H200 (BENCHMARKS.md, 2026-11-29): at T=1 gate/up BLOCK_N=32 with down
+# BLOCK_N=64 is best; from T=2 BLOCK_N=128 (equal at T=2, 4-9% faster at T=4..8, 10-24%
+# at T=16..64 than 64).
 CONFIG = {
     "small": dict(gate_up=dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
-                  down=dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)),
-    "large": dict(gate_up=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
                   down=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
+    "large": dict(gate_up=dict(BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=3),
+                  down=dict(BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=3)),
+    "tall": dict(gate_up=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+                 down=dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
     "small_max_pairs": 8,
+    "tall_min_block_m": 32,
     # PTX decode (4 bytes -> 8 bf16 per call); DSV4_FP4_MOE_NO_ASM=1 forces the portable path.
     "use_asm": os.environ.get("DSV4_FP4_MOE_NO_ASM", "0") != "1",
     # fold the 2**126 decode factor into scale (2**63) and global (2**63): one bf16x2
-    # multiply fewer per two weights; exact for NVFP4 and for E8M0 exponents 65..191.
-    "fold_scale": False,
+    # multiply fewer per two weights.  Exact for every NVFP4 (e4m3) scale, so on for NVFP4;
+    # for MXFP4 exact only for E8M0 exponents 65..191, so MXFP4 needs "fold_mxfp4" too.
+    "fold_scale": True,
+    "fold_mxfp4": False,
 }
 
 
@@ -351,10 +306,11 @@ def _fp4_moe_triton(
     if "gate_up" in cfg:
         gu, dn = cfg["gate_up"], cfg["down"]
     else:
-        regime = cfg["small"] if p <= cfg["small_max_pairs"] else cfg["large"]
+        regime = (cfg["small"] if p <= cfg["small_max_pairs"]
+                  else cfg["tall"] if bm >= cfg["tall_min_block_m"] else cfg["large"])
         gu, dn = regime["gate_up"], regime["down"]
-    fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"])
     is_nv = f.name == "nvfp4"
+    fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     # The CPU interpreter (TRITON_INTERPRET=1, used for CPU debugging) mishandles bf16
     # MMAs, so it multiplies in fp32; on the GPU the MMA operands are bf16.
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -364,20 +320,25 @@ def _fp4_moe_triton(
             raise ValueError(f"BLOCK_K={c['BLOCK_K']} must be a multiple of the group size {f.group_size}.")
     if d % gu["BLOCK_K"] or inter % dn["BLOCK_K"] or inter % gu["BLOCK_N"] or d % dn["BLOCK_N"]:
         raise ValueError(f"D={d} / I={inter} must be multiples of the kernel blocks {gu} / {dn}.")
-    _gate_up_kernel[(p, triton.cdiv(inter, gu["BLOCK_N"]))](
-        x_c, ids, rw, w13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
-        p, inter, d,
-        TOPK=k, PB=pb, G=f.group_size, IS_NV=is_nv, LIMIT=float(swiglu_limit),
-        NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt, FOLD=fold,
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-    )
-    _down_kernel[(p, triton.cdiv(d, dn["BLOCK_N"]))](
-        act, ids, w2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
-        p, inter, d,
-        PB=pb, G=f.group_size, IS_NV=is_nv,
-        NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt, FOLD=fold,
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
-    )
+    only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
+    if only in (None, "gate_up"):
+        _gate_up_kernel[(p, triton.cdiv(inter, gu["BLOCK_N"]))](
+            x_c, ids, rw, w13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
+            p, inter, d,
+            TOPK=k, PB=pb, G=f.group_size, IS_NV=is_nv, LIMIT=float(swiglu_limit),
+            NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
+            FOLD=fold, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        )
+    if only in (None, "down"):
+        _down_kernel[(p, triton.cdiv(d, dn["BLOCK_N"]))](
+            act, ids, w2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
+            p, inter, d,
+            PB=pb, G=f.group_size, IS_NV=is_nv,
+            NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
+            FOLD=fold, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+        )
+    if only is not None:
+        return out
     blk = 1024
     _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4)
     return out
@@ -385,7 +346,7 @@ def _fp4_moe_triton(
 
 def kernel_supports(hidden: int, intermediate: int) -> bool:
     """Whether the default kernel blocks tile these sizes (V4-Flash and V4-Pro do)."""
-    blocks = (CONFIG["small"], CONFIG["large"])
+    blocks = (CONFIG["small"], CONFIG["large"], CONFIG["tall"])
     return all(
         hidden % c["gate_up"]["BLOCK_K"] == 0 and intermediate % c["down"]["BLOCK_K"] == 0
         and intermediate % c["gate_up"]["BLOCK_N"] == 0 and hidden % c["down"]["BLOCK_N"] == 0
