@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,demo]"
+	# xgrammar (grammar-constrained drafting): its metadata pulls a ~1 GB triton wheel that
+	# the CPU path never uses, so install it and its real runtime needs without deps.
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 	touch $@
 
 # The oldest supported transformers, for the tests that touch its internals.
@@ -21,6 +24,8 @@ $(VENV517)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV517)
 	$(VENV517)/bin/pip install $(PIP_FLAGS) $(TORCH) "transformers==5.17.0" accelerate safetensors pytest tqdm
 	$(VENV517)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	$(VENV517)/bin/pip install $(PIP_FLAGS) pydantic numpy
+	$(VENV517)/bin/pip install $(PIP_FLAGS) --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 	touch $@
 
 # The whole CPU suite on the newest transformers 5.x (GPU tests skip without CUDA).

@@ -14,3 +14,6 @@ def pytest_collection_modifyitems(config, items):
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub
+
+# The test models are tiny: one thread is faster than two and immune to a busy machine.
+torch.set_num_threads(1)

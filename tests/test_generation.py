@@ -262,3 +262,14 @@ def test_reduced_draft_vocabulary_keeps_greedy_output_exact(subset):
     assert recorded and set(recorded) <= set(allowed.tolist())
     with pytest.raises(ValueError, match="draft vocabulary"):
         mtp.set_draft_vocab([mtp.config.vocab_size])
+
+
+@pytest.mark.gpu
+def test_greedy_assisted_generation_on_cuda_is_identical_to_plain():
+    target, mtp = tiny_pair(seed=13)
+    target, mtp = target.cuda(), mtp.cuda()
+    ids = prompt(13).cuda()
+    kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    plain = target.generate(ids, **kw)
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+    assert mtp.last_generation_stats.rounds > 0

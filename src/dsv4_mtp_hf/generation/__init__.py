@@ -1,7 +1,16 @@
-"""Generation glue: binding to a V4 target, the MTP candidate generator, the rollback-able target cache."""
+"""Generation glue: binding to a V4 target, the MTP candidate generator, the rollback-able target cache,
+grammar-constrained generation (xgrammar, optional)."""
 
 from .candidate import MtpCandidateGenerator
+from .grammar import GrammarStats, XGrammarLogitsProcessor
 from .stats import GenerationStats
 from .target_cache import CacheRollbackError, RollbackDeepseekV4Cache
 
-__all__ = ["CacheRollbackError", "GenerationStats", "MtpCandidateGenerator", "RollbackDeepseekV4Cache"]
+__all__ = [
+    "CacheRollbackError",
+    "GenerationStats",
+    "GrammarStats",
+    "MtpCandidateGenerator",
+    "RollbackDeepseekV4Cache",
+    "XGrammarLogitsProcessor",
+]

@@ -12,6 +12,12 @@ has processed all but the last (its residuals ``X_0..X_{L-2}`` are known):
 
 The very first round (before the target has run) proposes nothing, so the target's
 prefill produces the residuals the MTP needs.
+
+Logits processors (grammar masks, temperature, top-k, ...) are applied to every draft position
+with the drafted prefix, exactly as the verifier applies them to the target's rows.  A draft
+position whose processed logits allow no token (all -inf, e.g. a grammar state the draft
+vocabulary cannot continue) ends the round early; a token the processed distribution gives zero
+probability is never drafted.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from .stats import GenerationStats
 class MtpCandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
     model_kwargs_overrides: dict = {}  # the residual arrives through a hook, not hidden states
+    # False: drafts ignore the logits processors (only the verifier applies them) -- a baseline
+    # for measuring what per-position masking of drafts buys; the output is unchanged either way.
+    process_drafts: bool = True
 
     def __init__(self, mtp, run, generation_config, logits_processor=None):
         self.mtp = mtp
@@ -50,7 +59,7 @@ class MtpCandidateGenerator(CandidateGenerator):
 
     def _process(self, logits: torch.Tensor, sequence: torch.LongTensor) -> torch.Tensor:
         logits = logits.float()
-        if self.logits_processor:
+        if self.logits_processor and self.process_drafts:
             logits = self.logits_processor(sequence, logits)
         return logits
 
@@ -87,11 +96,25 @@ class MtpCandidateGenerator(CandidateGenerator):
         drafts, draft_logits = [], []
         for k in range(budget):
             processed = self._process(out.logits[:, -1], sequence.to(out.logits.device))
-            token = self.select(processed, sequence).to(input_ids.device)
+            # Nothing allowed here (all -inf, e.g. a grammar state): end the round, no junk draft.
+            # Greedy needs no separate check: the argmax of an all -inf row is itself -inf below.
+            if self.do_sample and bool(torch.isneginf(processed).all()):
+                self._stopped_by_processor()
+                break
+            token = self.select(processed, sequence).reshape(1, 1)
+            # One host read per draft: the token id and whether the processed distribution allows it.
+            token_id, forbidden = torch.cat(
+                [token.to(processed.device), torch.isneginf(processed.gather(-1, token.to(processed.device))).long()],
+                dim=-1,
+            )[0].tolist()
+            if forbidden:  # zero probability after processing: never draft it
+                self._stopped_by_processor()
+                break
+            token = token.to(input_ids.device)
             drafts.append(token)
             draft_logits.append(processed)
             sequence = torch.cat([sequence, token], dim=-1)
-            if int(token) in self.eos_token_ids or k == budget - 1:
+            if token_id in self.eos_token_ids or k == budget - 1:
                 break
             position = length - 1 + k
             out = mtp(
@@ -106,7 +129,15 @@ class MtpCandidateGenerator(CandidateGenerator):
             return input_ids, None
         return sequence, torch.stack(draft_logits, dim=1)
 
+    def _stopped_by_processor(self) -> None:
+        self.run.stats.rounds_stopped_by_processor += 1
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):
+        # Stateful processors (grammar matchers) roll back to the verified sequence now.
+        for processor in self.logits_processor or ():
+            sync = getattr(processor, "sync_to_verified", None)
+            if sync is not None:
+                sync(input_ids)
         new_tokens = input_ids.shape[1] - (self.last_input_length or input_ids.shape[1])
         accepted = min(int(num_matches), self.last_drafted)
         self.run.stats.record_round(self.last_drafted, accepted, new_tokens)

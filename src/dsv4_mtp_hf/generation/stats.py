@@ -12,6 +12,7 @@ class GenerationStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target accepted
     new_tokens: int = 0  # tokens added to the output, bonus tokens included
+    rounds_stopped_by_processor: int = 0  # rounds cut short: no token allowed at a draft position
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
 
@@ -51,6 +52,7 @@ class GenerationStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "new_tokens": self.new_tokens,
+            "rounds_stopped_by_processor": self.rounds_stopped_by_processor,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
             "mean_accepted_length": self.mean_accepted_length,

@@ -1,0 +1,165 @@
+"""One MTP draft step at V4-Flash size on the GPU (batch 1): ours vs the alternatives.
+
+Prints, from one run: the bandwidth floor of a draft step (bytes that must be read / the
+copy bandwidth measured in the same run), our draft step with the Triton FP4 MoE op, our
+draft step with the reference MoE (dequantise + matmul), and the V4 block alone for ours
+and for transformers' own eager `DeepseekV4DecoderLayer` (dense bf16 experts) -- the
+thing a user would otherwise run.  CUDA events after warm-up, median of --iters runs.
+
+    python benchmarks/draft_step.py            # V4-Flash shapes, needs ~20 GB of GPU memory
+    python benchmarks/draft_step.py --tiny     # a CPU/GPU smoke run of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM
+from dsv4_mtp_hf.layers.rope import rope_cos_sin
+from dsv4_mtp_hf.ops import fp4_moe_reference
+
+
+def target_config(tiny: bool) -> DeepseekV4Config:
+    kw = dict(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    if tiny:
+        kw.update(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=64,
+                  q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=16, sliding_window=16,
+                  index_n_heads=8, index_head_dim=32, partial_rotary_factor=0.25)
+    return DeepseekV4Config(**kw)
+
+
+@torch.no_grad()
+def fill_random_(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Random, well-scaled values for every tensor (fresh each run, never zeros)."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if "inv_freq" in name:
+            continue
+        if t.dtype == torch.uint8:
+            if name.endswith("_scale"):  # e8m0 bytes near 2**-7: FP4 values up to ~0.05
+                t.copy_(torch.randint(118, 123, t.shape, generator=gen, device=t.device, dtype=torch.uint8))
+            else:
+                t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=t.device, dtype=torch.uint8))
+        elif t.dtype == torch.int32:  # global scale bit patterns
+            t.copy_(torch.ones(t.shape, device=t.device).view(torch.int32))
+        elif t.is_floating_point():
+            if "norm" in name or name.endswith(".scale") or name.endswith("hc_scale"):
+                t.copy_(1 + 0.05 * torch.randn(t.shape, generator=gen, device=t.device))
+            elif name.endswith("tid2eid"):
+                continue
+            else:
+                t.copy_(0.02 * torch.randn(t.shape, generator=gen, device=t.device))
+
+
+def time_ms(fn, iters: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), 20)
+    return 2 * x.numel() * 4 / (ms * 1e-3)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--context", type=int, default=127, help="cached positions before the draft row")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(int(time.time()))
+    tc = target_config(args.tiny)
+    with torch.device("meta"):
+        target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
+        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))
+    target = target.to_empty(device=dev).eval()
+    mtp = mtp.to_empty(device=dev).eval()
+    for m in (target, mtp):
+        fill_random_(m, gen)
+    for name, prm in mtp.named_parameters():  # dense weights in bf16 as a user would load them
+        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    target.model.rotary_emb.__init__(tc, device=dev)
+    mtp.bind(target)
+    c = mtp.config
+    bw = copy_bandwidth()
+
+    # Bytes one draft step must read: every MTP weight except the routed experts, 6 experts, the lm head.
+    ex = mtp.block.mlp.experts
+    per_expert = sum(b[0].numel() * b.element_size() for b in (ex.w13_weight, ex.w13_scale, ex.w2_weight, ex.w2_scale))
+    dense = sum(t.numel() * t.element_size() for n, t in list(mtp.named_parameters()) + list(mtp.named_buffers()) if ".experts." not in n)
+    head = target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    floor_bytes = dense + c.num_experts_per_tok * per_expert + head
+    floor_ms = floor_bytes / bw * 1e3
+
+    ids = torch.randint(0, c.vocab_size, (1, args.context + 1), device=dev)
+    hs = torch.randn(1, args.context + 1, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
+    cache = mtp.new_cache()
+    with torch.no_grad():
+        mtp(ids[:, :-1], hs[:, :-1], past_key_values=cache)
+    n0 = cache.get_seq_length()
+
+    def draft_step():
+        cache.crop(n0)
+        return mtp(ids[:, -1:], hs[:, -1:], past_key_values=cache)
+
+    results = {}
+    with torch.no_grad():
+        out_fast = draft_step().logits.float()
+        results["ours: draft step, Triton FP4 MoE"] = time_ms(draft_step, args.iters)
+        experts_forward = type(ex).forward
+
+        def reference_moe(self, x, weights, ids_):
+            return fp4_moe_reference(x, ids_, weights.float(), self.w13_weight, self.w13_scale, self.w13_global,
+                                     self.w2_weight, self.w2_scale, self.w2_global, self.format.name, self.swiglu_limit)
+
+        type(ex).forward = reference_moe
+        try:
+            out_ref = draft_step().logits.float()
+            results["ours: draft step, reference MoE"] = time_ms(draft_step, max(5, args.iters // 3))
+        finally:
+            type(ex).forward = experts_forward
+        rel = float((out_fast - out_ref).norm() / out_ref.norm())
+        same_argmax = bool(out_fast.argmax(-1).eq(out_ref.argmax(-1)).all())
+
+        # The V4 block alone: ours vs transformers' eager DeepseekV4DecoderLayer (S=1, no cache for theirs).
+        x = torch.randn(1, 1, c.hc_mult, c.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+        pos = torch.tensor([[n0]], device=dev)
+        cos, sin = rope_cos_sin(pos, c.qk_rope_head_dim, c.rope_theta)
+        results["ours: V4 block only, Triton FP4 MoE"] = time_ms(lambda: (cache.crop(n0), mtp.block(x, cos, sin, pos, cache)), args.iters)
+        layer = target.model.layers[0]
+        pe = {k: target.model.rotary_emb(x, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+        results["transformers: eager DeepseekV4DecoderLayer"] = time_ms(
+            lambda: layer(x, position_embeddings=pe, position_ids=pos, attention_mask=None), max(5, args.iters // 3))
+
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; draft-step floor {floor_ms:.3f} ms "
+          f"({floor_bytes / 1e9:.3f} GB: dense {dense / 1e9:.3f}, 6 experts {c.num_experts_per_tok * per_expert / 1e9:.3f}, "
+          f"lm head {head / 1e9:.3f}); fast vs reference MoE logits rel err {rel:.2e}, same argmax {same_argmax}")
+    print(f"{'path':<48} {'median ms':>10} {'x floor':>8}")
+    for k, v in results.items():
+        print(f"{k:<48} {v:>10.3f} {v / floor_ms:>8.2f}")
+    if args.out:
+        with open(os.path.join(args.out, "draft_step.json"), "w") as f:
+            json.dump({"floor_ms": floor_ms, "copy_bw": bw, "rel_err": rel, "same_argmax": same_argmax, **results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Hub remote code for DeepSeek-V4 MTP drafts: the configuration.
+
+Thin by design: the implementation lives in the `dsv4_mtp_hf` package
+(`pip install dsv4-mtp-hf`); this file only lets
+`AutoConfig.from_pretrained(repo, trust_remote_code=True)` find it.
+"""
+
+from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig
+
+__all__ = ["DeepseekV4MtpConfig"]
