@@ -10,12 +10,12 @@ TORCH ?= torch==2.13.0
 
 test: test-newest test-517
 
+# xgrammar (grammar-constrained drafting) is installed without deps: its metadata pulls a
+# ~1 GB triton wheel that the CPU path never uses.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,demo]"
-	# xgrammar (grammar-constrained drafting): its metadata pulls a ~1 GB triton wheel that
-	# the CPU path never uses, so install it and its real runtime needs without deps.
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 	touch $@
 

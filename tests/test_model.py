@@ -173,3 +173,26 @@ def test_mtp_kv_cache_rejects_a_batch_change():
     cache.update(torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match="fresh cache"):
         cache.update(torch.randn(3, 1, 16))
+
+
+def test_kv_fp8_roundtrip_quantises_only_the_non_rope_channels():
+    from dsv4_mtp_hf.layers.attention import fp8_roundtrip
+
+    x = torch.randn(3, 5, 128) * 3
+    y = fp8_roundtrip(x)
+    blocks = x.unflatten(-1, (-1, 64))
+    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True) / 448.0)))
+    codes = y.unflatten(-1, (-1, 64)) / scale
+    assert torch.equal(codes, codes.to(torch.float8_e4m3fn).float())  # every value is e4m3 x a power of two
+    assert 0 < (y - x).norm() / x.norm() < 0.05
+    with pytest.raises(ValueError, match="blocks of 64"):
+        tiny_pair(kv_fp8_roundtrip=True)  # head_dim 32: 24 non-RoPE channels
+    wide = dict(head_dim=128, partial_rotary_factor=0.5)  # 64 RoPE + 64 non-RoPE channels
+    target, mtp = tiny_pair(target_overrides=wide)
+    _, fp8 = tiny_pair(target_overrides=wide, kv_fp8_roundtrip=True)
+    fp8.bind(target)
+    fp8.load_state_dict(mtp.state_dict())
+    ids, hs = inputs(mtp, s=6)
+    with torch.no_grad():
+        a, b = mtp(ids, hs).logits, fp8(ids, hs).logits
+    assert 0 < (a - b).norm() / a.norm() < 0.05  # a small perturbation, as e4m3 rounding should be

@@ -76,3 +76,120 @@ class MtpKVCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.kv is not None:
             self.kv = self.kv.index_select(0, beam_idx.to(self.kv.device))
+
+
+class PagedMtpKVCache:
+    """The MTP's KV cache as a block pool with per-sequence block tables.
+
+    Each sequence owns ``pages_per_sequence`` pages of ``page_size`` rows used as a ring:
+    position ``p`` lives in page ``block_table[b, (p // page_size) % pages_per_sequence]`` at
+    row ``p % page_size``.  The ring holds the window plus the drafts in flight, so memory
+    is fixed per sequence whatever the context length, and :meth:`crop` only moves a
+    sequence's length (O(1), no copy).  Sequences keep their own lengths (ragged batches);
+    :meth:`free` returns a finished sequence's pages to the pool, and :meth:`add_sequence`
+    fails with a clear error when the pool is exhausted.  All per-step index math runs on
+    the cache's device (no host synchronisation), the layout paged attention kernels read.
+    """
+
+    def __init__(self, sliding_window: int, head_dim: int, batch_size: int = 1, max_draft_tokens: int = 16,
+                 page_size: int = 16, num_pages: int | None = None, device=None, dtype=torch.float32):
+        if min(sliding_window, head_dim, batch_size, max_draft_tokens, page_size) < 1:
+            raise ValueError("sliding_window, head_dim, batch_size, max_draft_tokens and page_size must be >= 1.")
+        self.sliding_window, self.max_draft_tokens, self.page_size = sliding_window, max_draft_tokens, page_size
+        self.pages_per_sequence = -(-(sliding_window - 1 + max_draft_tokens) // page_size) + 1
+        self.capacity = self.pages_per_sequence * page_size  # ring rows per sequence
+        num_pages = batch_size * self.pages_per_sequence if num_pages is None else num_pages
+        self.pool = torch.zeros(num_pages, page_size, head_dim, device=device, dtype=dtype)
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self.block_table = torch.full((0, self.pages_per_sequence), -1, dtype=torch.long, device=device)
+        self.seq_lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.active: list[bool] = []
+        for _ in range(batch_size):
+            self.add_sequence()
+
+    @classmethod
+    def from_config(cls, config, batch_size: int = 1, **kwargs) -> PagedMtpKVCache:
+        return cls(config.sliding_window, config.head_dim, batch_size, config.max_draft_tokens, **kwargs)
+
+    # -- sequences --------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+    def add_sequence(self) -> int:
+        """Start a new sequence (length 0); returns its batch row."""
+        if len(self._free_pages) < self.pages_per_sequence:
+            raise RuntimeError(
+                f"MTP KV pool exhausted: {self.pool.shape[0]} pages of {self.page_size} rows, "
+                f"{len(self._free_pages)} free, a sequence needs {self.pages_per_sequence}. Free finished sequences "
+                "(`free(b)`) or create the cache with more `num_pages`."
+            )
+        pages = [self._free_pages.pop() for _ in range(self.pages_per_sequence)]
+        row = torch.tensor([pages], dtype=torch.long, device=self.pool.device)
+        self.block_table = torch.cat([self.block_table, row])
+        self.seq_lengths = torch.cat([self.seq_lengths, self.seq_lengths.new_zeros(1)])
+        self.active.append(True)
+        return self.batch_size - 1
+
+    def free(self, b: int) -> None:
+        """Release sequence ``b``'s pages (its row stays, inactive, so batch rows keep their meaning)."""
+        if not self.active[b]:
+            raise ValueError(f"sequence {b} is already freed.")
+        self._free_pages.extend(self.block_table[b].tolist())
+        self.block_table[b] = -1
+        self.seq_lengths[b] = 0
+        self.active[b] = False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest sequence's length (per-sequence lengths: ``seq_lengths``)."""
+        return int(self.seq_lengths.max()) if self.batch_size else 0
+
+    # -- the MTP attention's interface ------------------------------------------------------------
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absolute positions ``[B, L]`` -> (page ids, row in page) of each sequence's ring."""
+        slot = positions % self.capacity
+        page = self.block_table.gather(1, slot // self.page_size)
+        return page, slot % self.page_size
+
+    def update(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``kv [B, S, d]`` at each sequence's own length; return the keys to attend
+        over ``[B, W-1+S, d]`` and their absolute positions ``[B, W-1+S]`` (rows before a
+        sequence's start carry a position far in the past, so the window masks them)."""
+        b, s, _ = kv.shape
+        if b != self.batch_size or not all(self.active):
+            raise ValueError(
+                f"the paged MTP cache holds {self.batch_size} sequences ({sum(self.active)} active); the forward "
+                f"got a batch of {b}. Run only active sequences, in cache row order."
+            )
+        hist = self.sliding_window - 1
+        start = self.seq_lengths.unsqueeze(1)
+        past = start - hist + torch.arange(hist, device=kv.device)  # [B, W-1]
+        page, row = self._rows(past.clamp(min=0))
+        held = self.pool[page, row].to(kv.dtype)
+        past = torch.where(past >= 0, past, torch.full_like(past, -(1 << 40)))
+        new_pos = start + torch.arange(s, device=kv.device)  # [B, S]
+        keep = min(s, self.capacity)  # a long prefill only leaves its last rows in the ring
+        page, row = self._rows(new_pos[:, s - keep :])
+        self.pool[page, row] = kv[:, s - keep :].to(self.pool.dtype)
+        self.seq_lengths = self.seq_lengths + s
+        return torch.cat([held, kv], dim=1), torch.cat([past, new_pos], dim=1)
+
+    def crop(self, max_length) -> None:
+        """Roll back: an int applies to every sequence (negative: drop that many), a tensor
+        ``[B]`` gives each sequence its new length.  O(1): only the lengths move."""
+        if isinstance(max_length, torch.Tensor) and max_length.dim() == 1:
+            new = max_length.to(self.seq_lengths)
+        else:
+            m = int(max_length)
+            new = self.seq_lengths + m if m < 0 else torch.full_like(self.seq_lengths, m)
+        if bool(((new < 0) | (new > self.seq_lengths)).any()):
+            raise ValueError(f"cannot crop MTP sequences of lengths {self.seq_lengths.tolist()} to {new.tolist()}.")
+        if bool((self.seq_lengths - new > self.capacity - (self.sliding_window - 1)).any()):
+            raise ValueError(
+                f"cannot roll the paged MTP cache back from {self.seq_lengths.tolist()} to {new.tolist()}: the ring "
+                f"holds the window plus max_draft_tokens={self.max_draft_tokens}. Raise `config.max_draft_tokens`."
+            )
+        self.seq_lengths = new
+
+    def reset(self) -> None:
+        self.seq_lengths = torch.zeros_like(self.seq_lengths)

@@ -128,6 +128,11 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
                 )
         if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= self.head_dim:
             fail(f"`qk_rope_head_dim`={self.qk_rope_head_dim} must be even and in (0, head_dim={self.head_dim}].")
+        if self.kv_fp8_roundtrip and (self.head_dim - self.qk_rope_head_dim) % 64:
+            fail(
+                f"`kv_fp8_roundtrip` quantises the {self.head_dim - self.qk_rope_head_dim} non-RoPE KV channels in "
+                "blocks of 64; that count must be a multiple of 64."
+            )
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             fail(
                 f"num_attention_heads*head_dim={self.num_attention_heads * self.head_dim} must be divisible by "

@@ -21,7 +21,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from .cache import MtpKVCache
+from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
 from .layers.attention import GroupedOutputProjection, MtpAttention
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
@@ -283,8 +283,15 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         logits = small.new_full((*small.shape[:-1], head.weight.shape[0]), float("-inf"))
         return logits.index_copy_(-1, ids, small)
 
-    def new_cache(self) -> MtpKVCache:
-        return MtpKVCache.from_config(self.config)
+    def new_cache(self, paged: bool = False, batch_size: int = 1, **kwargs) -> MtpKVCache | PagedMtpKVCache:
+        """The MTP's own KV cache: contiguous (batch shares one length) or ``paged=True``
+        (block pool, per-sequence lengths and rollback, freeing of finished sequences)."""
+        if not paged:
+            return MtpKVCache.from_config(self.config)
+        w = self.e_proj.weight
+        kwargs.setdefault("device", w.device)
+        kwargs.setdefault("dtype", w.dtype)
+        return PagedMtpKVCache.from_config(self.config, batch_size=batch_size, **kwargs)
 
     def generate(self, *args, **kwargs):
         raise RuntimeError(
@@ -344,8 +351,12 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         device = self.e_proj.weight.device
         dtype = self.e_proj.weight.dtype
         if position_ids is None:
-            start = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(start, start + s, device=device).unsqueeze(0)
+            lengths = getattr(past_key_values, "seq_lengths", None)  # per-sequence (paged cache)
+            if lengths is not None:
+                position_ids = lengths.to(device).unsqueeze(1) + torch.arange(s, device=device)
+            else:
+                start = past_key_values.get_seq_length() if past_key_values is not None else 0
+                position_ids = torch.arange(start, start + s, device=device).unsqueeze(0)
         position_ids = position_ids.to(device).expand(b, s)
         if int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(

@@ -62,7 +62,7 @@ class MtpAttention(nn.Module):
             kv = torch.cat([fp8_roundtrip(kv[..., : -self.rope_dim]), kv[..., -self.rope_dim :]], dim=-1)
         if cache is not None:
             kv, kv_positions = cache.update(kv)
-            kv_positions = kv_positions.unsqueeze(0).expand(b, -1)
+            kv_positions = kv_positions.expand(b, -1)  # [L] (shared lengths) or [B, L] (paged)
         else:
             kv_positions = positions
         o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)

@@ -1,0 +1,68 @@
+"""The paged MTP KV cache: ragged per-sequence lengths and rollback, bounded pool, freeing."""
+
+import pytest
+import torch
+
+from dsv4_mtp_hf import PagedMtpKVCache
+
+from .helpers import tiny_pair
+
+
+def step_inputs(mtp, b, s, gen):
+    ids = torch.randint(0, mtp.config.vocab_size, (b, s), generator=gen)
+    hs = torch.randn(b, s, mtp.config.hc_mult, mtp.config.hidden_size, generator=gen)
+    return ids, hs
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_ragged_rollback_matches_one_contiguous_cache_per_sequence(page_size):
+    _, mtp = tiny_pair(max_draft_tokens=4)
+    b = 3
+    gen = torch.Generator().manual_seed(page_size)
+    paged = mtp.new_cache(paged=True, batch_size=b, page_size=page_size)
+    singles = [mtp.new_cache() for _ in range(b)]
+    with torch.no_grad():
+        for step in range(14):
+            s = 11 if step == 0 else 1 + step % 4  # a prefill, then draft-sized steps
+            ids, hs = step_inputs(mtp, b, s, gen)
+            got = mtp(ids, hs, past_key_values=paged).logits
+            for i in range(b):
+                want = mtp(ids[i : i + 1], hs[i : i + 1], past_key_values=singles[i]).logits
+                torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+            if step:  # per-sequence acceptance: each sequence keeps a different number of rows
+                keep = torch.tensor([torch.randint(0, s + 1, (1,), generator=gen).item() for _ in range(b)])
+                new_len = paged.seq_lengths - s + keep
+                paged.crop(new_len)
+                for i in range(b):
+                    singles[i].crop(int(new_len[i]))
+    assert len(set(paged.seq_lengths.tolist())) > 1  # the batch really is ragged
+    assert paged.pool.shape[0] == b * paged.pages_per_sequence  # memory never grew
+
+
+def test_pool_exhaustion_is_a_clear_error_and_freeing_returns_pages():
+    cache = PagedMtpKVCache(sliding_window=8, head_dim=16, batch_size=2, max_draft_tokens=2, page_size=4,
+                            num_pages=2 * 4)
+    assert cache.pages_per_sequence == 4
+    with pytest.raises(RuntimeError, match="pool exhausted"):
+        cache.add_sequence()
+    cache.update(torch.randn(2, 3, 16))
+    cache.free(0)
+    with pytest.raises(ValueError, match="active"):
+        cache.update(torch.randn(2, 1, 16))
+    with pytest.raises(ValueError, match="already freed"):
+        cache.free(0)
+    assert cache.add_sequence() == 2 and cache.seq_lengths.tolist() == [0, 3, 0]
+
+
+def test_crop_is_bounded_by_the_ring_and_validated():
+    cache = PagedMtpKVCache(sliding_window=8, head_dim=4, batch_size=2, max_draft_tokens=3, page_size=2)
+    for _ in range(30):
+        cache.update(torch.randn(2, 1, 4))
+    cache.crop(torch.tensor([27, 30]))
+    assert cache.seq_lengths.tolist() == [27, 30]
+    cache.crop(-2)
+    assert cache.seq_lengths.tolist() == [25, 28]
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        cache.crop(torch.tensor([25, 10]))
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(torch.tensor([26, 28]))
