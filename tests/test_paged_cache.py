@@ -66,3 +66,61 @@ def test_crop_is_bounded_by_the_ring_and_validated():
         cache.crop(torch.tensor([25, 10]))
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(torch.tensor([26, 28]))
+
+
+def test_graphed_drafter_eager_steps_match_the_contiguous_cache():
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    _, mtp = tiny_pair(max_draft_tokens=4)
+    gen = torch.Generator().manual_seed(0)
+    ids, hs = step_inputs(mtp, 2, 9, gen)
+    paged = mtp.new_cache(paged=True, batch_size=2)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+    with torch.no_grad():
+        mtp(ids[:, :-1], hs[:, :-1], past_key_values=paged)
+        drafter.tokens.copy_(ids[:, -1:])
+        drafter.residual.copy_(hs[:, -1:])
+        drafts, logits = drafter.run_eager()
+        for i in range(2):  # the same recursion, by hand, on a contiguous cache
+            cache = mtp.new_cache()
+            mtp(ids[i : i + 1, :-1], hs[i : i + 1, :-1], past_key_values=cache)
+            tok, res = ids[i : i + 1, -1:], hs[i : i + 1, -1:]
+            for k in range(3):
+                out = mtp(tok, res, past_key_values=cache)
+                torch.testing.assert_close(logits[i, k], out.logits[0, -1], rtol=1e-5, atol=1e-5)
+                tok, res = out.logits[:, -1].argmax(-1, keepdim=True), out.residual
+                assert int(drafts[i, k]) == int(tok)
+    assert paged.seq_lengths.tolist() == [11, 11]
+    with pytest.raises(RuntimeError, match="capture"):
+        drafter(ids[:, -1:], hs[:, -1:])
+    with pytest.raises(TypeError, match="PagedMtpKVCache"):
+        GraphedDrafter(mtp, mtp.new_cache(), 2)
+
+
+@pytest.mark.gpu
+def test_graphed_drafter_replay_equals_eager_on_cuda():
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    # sizes the Triton FP4 MoE tiles (the reference MoE synchronises and cannot be captured)
+    _, mtp = tiny_pair(max_draft_tokens=4, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
+    mtp = mtp.cuda()
+    gen = torch.Generator().manual_seed(1)
+    ids, hs = step_inputs(mtp, 2, 12, gen)
+    ids, hs = ids.cuda(), hs.cuda()
+    paged = mtp.new_cache(paged=True, batch_size=2)
+    with torch.no_grad():
+        mtp(ids[:, :-2], hs[:, :-2], past_key_values=paged)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+    drafter.tokens.copy_(ids[:, -2:-1])
+    drafter.residual.copy_(hs[:, -2:-1])
+    drafter.capture()
+    lengths = paged.seq_lengths.clone()
+    for step in (-2, -1):  # two replays from different inputs
+        paged.seq_lengths.copy_(lengths)
+        drafter.tokens.copy_(ids[:, step:][:, :1])
+        drafter.residual.copy_(hs[:, step:][:, :1])
+        want_d, want_l = drafter.run_eager()
+        paged.seq_lengths.copy_(lengths)
+        got_d, got_l = drafter(ids[:, step:][:, :1], hs[:, step:][:, :1])
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_d, want_d)

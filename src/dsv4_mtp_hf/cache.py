@@ -171,7 +171,7 @@ class PagedMtpKVCache:
         keep = min(s, self.capacity)  # a long prefill only leaves its last rows in the ring
         page, row = self._rows(new_pos[:, s - keep :])
         self.pool[page, row] = kv[:, s - keep :].to(self.pool.dtype)
-        self.seq_lengths = self.seq_lengths + s
+        self.seq_lengths.add_(s)  # in place: a captured CUDA graph replays this update
         return torch.cat([held, kv], dim=1), torch.cat([past, new_pos], dim=1)
 
     def crop(self, max_length) -> None:
@@ -189,7 +189,7 @@ class PagedMtpKVCache:
                 f"cannot roll the paged MTP cache back from {self.seq_lengths.tolist()} to {new.tolist()}: the ring "
                 f"holds the window plus max_draft_tokens={self.max_draft_tokens}. Raise `config.max_draft_tokens`."
             )
-        self.seq_lengths = new
+        self.seq_lengths.copy_(new)
 
     def reset(self) -> None:
-        self.seq_lengths = torch.zeros_like(self.seq_lengths)
+        self.seq_lengths.zero_()

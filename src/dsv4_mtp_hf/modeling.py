@@ -45,6 +45,10 @@ class DeepseekV4MtpOutput(ModelOutput):
         return self.cache
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _SharedTargetModules:
     """Plain holder (not an nn.Module) so the target's embedding and head are used by
     reference without being registered as our submodules or saved with our weights."""
@@ -321,6 +325,8 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         if position_ids is not None:
             if tuple(position_ids.shape) not in ((b, s), (1, s)):
                 raise ValueError(f"`position_ids` must be [batch, seq] = {(b, s)}, got {tuple(position_ids.shape)}.")
+        if _capturing():  # value checks would synchronise the host inside CUDA-graph capture
+            return
         if int(input_ids.max()) >= c.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"token ids must lie in [0, vocab_size={c.vocab_size}).")
 
@@ -358,7 +364,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
                 start = past_key_values.get_seq_length() if past_key_values is not None else 0
                 position_ids = torch.arange(start, start + s, device=device).unsqueeze(0)
         position_ids = position_ids.to(device).expand(b, s)
-        if int(position_ids.max()) >= self.config.max_position_embeddings:
+        if not _capturing() and int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {int(position_ids.max())} is beyond max_position_embeddings="
                 f"{self.config.max_position_embeddings} of this MTP."

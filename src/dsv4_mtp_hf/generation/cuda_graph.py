@@ -1,0 +1,79 @@
+"""K chained greedy MTP draft steps captured once in a CUDA graph and replayed.
+
+A draft step at batch 1 is hundreds of small kernels: eagerly it is bound by launch and
+Python overhead, not by the bytes it reads (BENCHMARKS.md).  :class:`GraphedDrafter`
+records K single-row MTP steps on a :class:`~dsv4_mtp_hf.cache.PagedMtpKVCache` (static
+shapes, lengths updated in place on the device), each step feeding its argmax token and
+its own residual to the next, and replays them with one launch.  Inputs go through
+static buffers; the cache must not be re-planned between capture and replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import PagedMtpKVCache
+
+
+class GraphedDrafter:
+    def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False):
+        if not isinstance(cache, PagedMtpKVCache):
+            raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
+        if num_drafts < 1 or num_drafts - 1 > cache.max_draft_tokens:
+            raise ValueError(f"num_drafts must be in [1, max_draft_tokens + 1 = {cache.max_draft_tokens + 1}].")
+        w = mtp.e_proj.weight
+        b, c = cache.batch_size, mtp.config
+        self.mtp, self.cache, self.num_drafts, self.draft_vocab = mtp, cache, num_drafts, draft_vocab
+        self.tokens = torch.zeros(b, 1, dtype=torch.long, device=w.device)
+        self.residual = torch.zeros(b, 1, c.hc_mult, c.hidden_size, dtype=w.dtype, device=w.device)
+        self.graph = None
+        self.drafts = self.logits = None
+
+    @torch.no_grad()
+    def run_eager(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K steps without the graph: drafts ``[B, K]`` and their logits ``[B, K, V]``."""
+        tok, res, drafts, logits = self.tokens, self.residual, [], []
+        for _ in range(self.num_drafts):
+            out = self.mtp(tok, res, past_key_values=self.cache, draft_vocab=self.draft_vocab)
+            step_logits = out.logits[:, -1]
+            tok = step_logits.argmax(-1, keepdim=True)
+            res = out.residual
+            drafts.append(tok)
+            logits.append(step_logits)
+        return torch.cat(drafts, dim=1), torch.stack(logits, dim=1)
+
+    def capture(self, warmup: int = 2) -> None:
+        """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
+        the warm-up, outside the capture).  The cache's lengths are restored afterwards."""
+        from ..ops.triton.fp4_moe_triton import kernel_supports  # needs Triton (CUDA only)
+
+        c = self.mtp.config
+        if not kernel_supports(c.hidden_size, c.moe_intermediate_size):
+            raise ValueError(
+                f"hidden {c.hidden_size} / intermediate {c.moe_intermediate_size} fall back to the reference MoE, "
+                "which synchronises with the host and cannot be graph-captured (the Triton kernel tiles multiples "
+                "of 256)."
+            )
+        lengths = self.cache.seq_lengths.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.run_eager()
+                self.cache.seq_lengths.copy_(lengths)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.drafts, self.logits = self.run_eager()
+        self.cache.seq_lengths.copy_(lengths)
+
+    def __call__(self, tokens: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replay from ``tokens [B, 1]`` (the last confirmed token) and ``residual
+        [B, 1, hc_mult, D]`` (the target's residual at its position): K drafts and logits.
+        The returned tensors are the graph's static outputs (copy them to keep them)."""
+        if self.graph is None:
+            raise RuntimeError("call capture() first.")
+        self.tokens.copy_(tokens)
+        self.residual.copy_(residual)
+        self.graph.replay()
+        return self.drafts, self.logits
