@@ -95,6 +95,8 @@ def test_graphed_drafter_eager_steps_match_the_contiguous_cache():
         drafter(ids[:, -1:], hs[:, -1:])
     with pytest.raises(TypeError, match="PagedMtpKVCache"):
         GraphedDrafter(mtp, mtp.new_cache(), 2)
+    with pytest.raises(ValueError, match="num_drafts"):
+        GraphedDrafter(mtp, paged, 6)
 
 
 @pytest.mark.gpu
@@ -102,8 +104,8 @@ def test_graphed_drafter_replay_equals_eager_on_cuda():
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     # sizes the Triton FP4 MoE tiles (the reference MoE synchronises and cannot be captured)
-    _, mtp = tiny_pair(max_draft_tokens=4, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
-    mtp = mtp.cuda()
+    target, mtp = tiny_pair(max_draft_tokens=4, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
+    target, mtp = target.cuda(), mtp.cuda()
     gen = torch.Generator().manual_seed(1)
     ids, hs = step_inputs(mtp, 2, 12, gen)
     ids, hs = ids.cuda(), hs.cuda()

@@ -47,7 +47,13 @@ class GraphedDrafter:
         the warm-up, outside the capture).  The cache's lengths are restored afterwards."""
         from ..ops.triton.fp4_moe_triton import kernel_supports  # needs Triton (CUDA only)
 
-        c = self.mtp.config
+        c, w = self.mtp.config, self.mtp.e_proj.weight
+        shared = (self.mtp.get_input_embeddings().weight, self.mtp.get_output_embeddings().weight)
+        if any(t.device != w.device for t in shared):
+            raise ValueError(
+                "the target's embedding and lm head must live on the MTP's device for graph capture "
+                f"(MTP on {w.device}, embedding on {shared[0].device}, lm head on {shared[1].device})."
+            )
         if not kernel_supports(c.hidden_size, c.moe_intermediate_size):
             raise ValueError(
                 f"hidden {c.hidden_size} / intermediate {c.moe_intermediate_size} fall back to the reference MoE, "
