@@ -273,3 +273,69 @@ def test_greedy_assisted_generation_on_cuda_is_identical_to_plain():
     plain = target.generate(ids, **kw)
     assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
     assert mtp.last_generation_stats.rounds > 0
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_paged_drafter_path_keeps_greedy_output_identical(k):
+    """The fast greedy path (first draft eager, drafts 2..K through `GraphedDrafter` on the
+    paged cache) -- here without the graph, which needs CUDA -- gives plain greedy output."""
+
+    class PagedDrafts(MtpCandidateGenerator):
+        fast_drafts = "eager"
+        made = []
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            PagedDrafts.made.append(self)
+
+    target, mtp = tiny_pair(seed=20 + k)
+    ids = prompt(20 + k)
+    plain = target.generate(ids, max_new_tokens=120, do_sample=False, eos_token_id=None)
+    OracleDrafts.truth, OracleDrafts.wrong_at = plain, {PROMPT_LEN + i for i in range(0, 120, 5)}
+
+    class PagedOracle(PagedDrafts):  # partly-correct drafts also on the fast path: accept + reject
+        def _draft_all(self, input_ids, out):
+            seq, logits = super()._draft_all(input_ids, out)
+            for j in range(input_ids.shape[1], seq.shape[1]):
+                tok = int(plain[0, j]) if j < plain.shape[1] else 0
+                seq[0, j] = (tok + 1) % 320 if j in OracleDrafts.wrong_at else tok
+            return seq, logits
+
+    for cls in (PagedDrafts, PagedOracle):
+        mtp.candidate_generator_class = cls
+        try:
+            got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=120,
+                                  do_sample=False, eos_token_id=None)
+        finally:
+            mtp.candidate_generator_class = None
+        assert torch.equal(got, plain)
+        gen = cls.made[-1]
+        assert (gen.drafter is not None) == (k >= 2)
+        if k >= 2:
+            assert gen.cache is gen.drafter.cache and not gen.drafter.use_graph
+    assert mtp.last_generation_stats.accepted > 0 or k == 1
+
+
+@pytest.mark.gpu
+def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
+    made = []
+
+    class Recording(MtpCandidateGenerator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    sizes = dict(hidden_size=256, moe_intermediate_size=256)  # tiled by the Triton FP4 MoE: graph-capturable
+    target, mtp = tiny_pair(seed=14, target_overrides=sizes)
+    target, mtp = target.cuda(), mtp.cuda()
+    ids = prompt(14).cuda()
+    kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    mtp.candidate_generator_class = Recording
+    try:
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)
+    finally:
+        mtp.candidate_generator_class = None
+    assert torch.equal(got, plain)
+    assert made[-1].drafter is not None and made[-1].drafter.use_graph and made[-1].drafter.graph is not None

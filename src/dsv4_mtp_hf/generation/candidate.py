@@ -34,6 +34,11 @@ class MtpCandidateGenerator(CandidateGenerator):
     # False: drafts ignore the logits processors (only the verifier applies them) -- a baseline
     # for measuring what per-position masking of drafts buys; the output is unchanged either way.
     process_drafts: bool = True
+    # Greedy rounds without logits processors can run the recursive drafts (2..K) as one
+    # CUDA-graph replay on a paged MTP cache (`GraphedDrafter`).  "auto": on CUDA, when the
+    # Triton FP4 MoE tiles the model's sizes; "eager": the same paged path without the graph
+    # (any device; tests); False: always the per-token loop below.
+    fast_drafts: str | bool = "auto"
 
     def __init__(self, mtp, run, generation_config, logits_processor=None):
         self.mtp = mtp
@@ -44,12 +49,51 @@ class MtpCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos_token_ids = set() if eos is None else set(eos.reshape(-1).tolist())
-        self.cache = mtp.new_cache()
+        self.drafter = self._make_drafter()
+        self.cache = self.drafter.cache if self.drafter is not None else mtp.new_cache()
         self.confirmed_rows = 0  # MTP rows computed from the target's residual with confirmed tokens
         self.last_drafted = 0
         self.last_input_length = None
 
     # -- drafting -----------------------------------------------------------------------------
+    def _make_drafter(self):
+        mode, k = self.fast_drafts, self.num_assistant_tokens
+        if mode not in ("auto", "eager") or self.do_sample or self.logits_processor or k < 2:
+            return None
+        if mode == "auto":
+            if self.mtp.e_proj.weight.device.type != "cuda":
+                return None
+            try:
+                from ..ops.triton.fp4_moe_triton import kernel_supports
+            except Exception:  # noqa: BLE001 - no Triton: no graph
+                return None
+            if not kernel_supports(self.mtp.config.hidden_size, self.mtp.config.moe_intermediate_size):
+                return None
+        from .cuda_graph import GraphedDrafter
+
+        cache = self.mtp.new_cache(paged=True, batch_size=1)
+        drafter = GraphedDrafter(self.mtp, cache, num_drafts=k - 1, draft_vocab=True)
+        drafter.use_graph = mode == "auto"
+        return drafter
+
+    def _recursive_drafts(self, token: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts 2..K from the first draft and its residual, through the (graphed) drafter."""
+        d = self.drafter
+        if d.use_graph and d.graph is None:
+            try:
+                d.capture()
+            except Exception as err:  # noqa: BLE001 - stay correct: fall back to eager steps
+                import warnings
+
+                warnings.warn(f"MTP draft CUDA graph unavailable ({type(err).__name__}: {err}); drafting eagerly.")
+                d.use_graph = False
+        if d.use_graph:
+            drafts, logits = d(token, residual)
+            return drafts.clone(), logits.clone()
+        d.tokens.copy_(token)
+        d.residual.copy_(residual)
+        return d.run_eager()
+
     def select(self, processed_logits: torch.Tensor, sequence: torch.LongTensor) -> torch.LongTensor:
         """Draft token from the processed MTP logits ``[1, V]``: argmax, or a sample of the
         distribution handed to the verifier (exact speculative sampling)."""
@@ -92,6 +136,8 @@ class MtpCandidateGenerator(CandidateGenerator):
         self.confirmed_rows = length - 1
 
         budget = min(self.num_assistant_tokens, self.max_length - length - 1)
+        if self.drafter is not None and budget == self.num_assistant_tokens:
+            return self._draft_all(input_ids, out)
         sequence = input_ids
         drafts, draft_logits = [], []
         for k in range(budget):
@@ -128,6 +174,19 @@ class MtpCandidateGenerator(CandidateGenerator):
         if not drafts:
             return input_ids, None
         return sequence, torch.stack(draft_logits, dim=1)
+
+    def _draft_all(self, input_ids, out):
+        """Greedy, no processors: the first draft from the confirmed rows, the rest in one go;
+        drafts after an EOS are dropped (their cache rows are rolled back next round)."""
+        first_logits = out.logits[:, -1].float()
+        first = first_logits.argmax(-1, keepdim=True)
+        rest, rest_logits = self._recursive_drafts(first, out.residual[:, -1:])
+        tokens = torch.cat([first, rest.to(first.device)], dim=1)
+        logits = torch.cat([first_logits.unsqueeze(1), rest_logits.float().to(first_logits.device)], dim=1)
+        ids = tokens[0].tolist()  # one host read for the whole round
+        keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
+        self.last_drafted = keep
+        return torch.cat([input_ids, tokens[:, :keep].to(input_ids.device)], dim=1), logits[:, :keep]
 
     def _stopped_by_processor(self) -> None:
         self.run.stats.rounds_stopped_by_processor += 1
