@@ -196,3 +196,19 @@ def test_kv_fp8_roundtrip_quantises_only_the_non_rope_channels():
     with torch.no_grad():
         a, b = mtp(ids, hs).logits, fp8(ids, hs).logits
     assert 0 < (a - b).norm() / a.norm() < 0.05  # a small perturbation, as e4m3 rounding should be
+
+
+def test_long_prefill_attention_is_chunked_and_exact():
+    from dsv4_mtp_hf.ops.attention import sliding_window_attention_reference as attn
+
+    g = torch.Generator().manual_seed(0)
+    held, s, h, d, w = 7, 300, 4, 32, 8
+    q = torch.randn(2, s, h, d, generator=g)
+    kv = torch.randn(2, held + s, d, generator=g)
+    kv_pos = torch.arange(40 - held, 40 + s).expand(2, -1)
+    q_pos = torch.arange(40, 40 + s).expand(2, -1)
+    sinks = torch.randn(h, generator=g)
+    full = attn(q, kv, q_pos, kv_pos, sinks, w, d**-0.5, query_chunk=None)
+    for chunk in (1, 16, 100, 256):
+        torch.testing.assert_close(attn(q, kv, q_pos, kv_pos, sinks, w, d**-0.5, query_chunk=chunk), full,
+                                   rtol=1e-5, atol=1e-6)

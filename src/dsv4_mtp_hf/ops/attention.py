@@ -7,6 +7,18 @@ logit that joins the softmax denominator only (a key whose value is zero).
 
 import torch
 
+QUERY_CHUNK = 256  # queries per block in long prefills: memory O(S * (window + chunk)), not O(S^2)
+
+
+def _attend(q, kv, q_positions, kv_positions, sinks, window, scale):
+    scores = torch.einsum("bshd,bld->bhsl", q.float(), kv.float()) * scale
+    delta = q_positions.unsqueeze(-1) - kv_positions.unsqueeze(-2)  # [B, S, L]
+    visible = (delta >= 0) & (delta < window)
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhsl,bld->bshd", probs, kv.float()).to(q.dtype)
+
 
 def sliding_window_attention_reference(
     q: torch.Tensor,
@@ -16,13 +28,20 @@ def sliding_window_attention_reference(
     sinks: torch.Tensor,
     window: int,
     scale: float,
+    query_chunk: int | None = QUERY_CHUNK,
 ) -> torch.Tensor:
     """q ``[B, S, H, d]``, kv ``[B, L, d]``, positions ``[B, S]`` / ``[B, L]``, sinks ``[H]``
-    -> ``[B, S, H, d]`` in q's dtype.  fp32 scores and softmax."""
-    scores = torch.einsum("bshd,bld->bhsl", q.float(), kv.float()) * scale
-    delta = q_positions.unsqueeze(-1) - kv_positions.unsqueeze(-2)  # [B, S, L]
-    visible = (delta >= 0) & (delta < window)
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhsl,bld->bshd", probs, kv.float()).to(q.dtype)
+    -> ``[B, S, H, d]`` in q's dtype.  fp32 scores and softmax.
+
+    The last S keys belong to the S queries (the cache puts held keys first, in order), so
+    a block of queries ``[a, b)`` only needs keys ``[L - S + a - (window - 1), L - S + b)``:
+    long prefills are processed in blocks of ``query_chunk`` queries with bounded memory."""
+    s, l = q.shape[1], kv.shape[1]
+    if query_chunk is None or s <= query_chunk:
+        return _attend(q, kv, q_positions, kv_positions, sinks, window, scale)
+    out = []
+    for a in range(0, s, query_chunk):
+        b = min(a + query_chunk, s)
+        k0, k1 = max(0, l - s + a - (window - 1)), l - s + b
+        out.append(_attend(q[:, a:b], kv[:, k0:k1], q_positions[:, a:b], kv_positions[:, k0:k1], sinks, window, scale))
+    return torch.cat(out, dim=1)

@@ -344,6 +344,9 @@ def _fp4_moe_triton(
     return out
 
 
+MAX_KERNEL_TOKENS = 64
+
+
 def kernel_supports(hidden: int, intermediate: int) -> bool:
     """Whether the default kernel blocks tile these sizes (V4-Flash and V4-Pro do)."""
     blocks = (CONFIG["small"], CONFIG["large"], CONFIG["tall"])
@@ -356,7 +359,10 @@ def kernel_supports(hidden: int, intermediate: int) -> bool:
 
 @fp4_moe.register_kernel("cuda")
 def _fp4_moe_cuda(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit):
-    if not kernel_supports(x.shape[-1], w2.shape[-1] * 2):  # small (test/demo) models: the reference math
+    # Small (test/demo) models, and prefills past the decode shapes the kernel is built for
+    # (it ranks all T*k routing pairs in one block): the reference math, which decodes each
+    # used expert once for all its tokens.
+    if x.shape[0] > MAX_KERNEL_TOKENS or not kernel_supports(x.shape[-1], w2.shape[-1] * 2):
         return fp4_moe_reference(
             x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
         )
