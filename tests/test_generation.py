@@ -317,6 +317,25 @@ def test_paged_drafter_path_keeps_greedy_output_identical(k):
             assert gen.cache is gen.drafter.cache and not gen.drafter.use_graph
     assert mtp.last_generation_stats.accepted > 0 or k == 1
 
+    # The paged path proposes exactly what the per-token loop on the contiguous cache proposes.
+    proposals = {}
+    for mode in (False, "eager"):
+        class Recording(MtpCandidateGenerator):
+            fast_drafts = mode
+
+            def get_candidates(self, input_ids, **kw):
+                seq, logits = super().get_candidates(input_ids, **kw)
+                proposals.setdefault(mode, []).append(seq[0, input_ids.shape[1]:].tolist())
+                return seq, logits
+
+        mtp.candidate_generator_class = Recording
+        try:
+            target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=60, do_sample=False,
+                            eos_token_id=None)
+        finally:
+            mtp.candidate_generator_class = None
+    assert proposals[False] == proposals["eager"] and sum(map(len, proposals[False])) > 0
+
 
 @pytest.mark.gpu
 def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
@@ -340,3 +359,36 @@ def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
         mtp.candidate_generator_class = None
     assert torch.equal(got, plain)
     assert made[-1].drafter is not None and made[-1].drafter.use_graph and made[-1].drafter.graph is not None
+
+
+def test_long_prompt_mtp_prefill_in_blocks_is_exact():
+    """Greedy output cannot reveal a wrong draft (the verifier corrects it), so compare the
+    MTP's own draft logits with and without block-wise prefill of a long prompt."""
+
+    def recorder(chunk):
+        class Recording(MtpCandidateGenerator):
+            prefill_chunk = chunk
+            seen = []
+
+            def _process(self, logits, sequence):
+                Recording.seen.append(logits.clone())
+                return super()._process(logits, sequence)
+
+        return Recording
+
+    target, mtp = tiny_pair(seed=15)
+    ids = prompt(15, length=40)
+    kw = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    plain = target.generate(ids, **kw)
+    runs = []
+    for chunk in (2048, 7):  # 7: the prompt's 40 rows go through the MTP cache in 6 blocks
+        cls = recorder(chunk)
+        mtp.candidate_generator_class = cls
+        try:
+            assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+        finally:
+            mtp.candidate_generator_class = None
+        runs.append(cls.seen)
+    assert len(runs[0]) == len(runs[1]) > 10
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

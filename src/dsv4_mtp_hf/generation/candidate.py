@@ -39,6 +39,7 @@ class MtpCandidateGenerator(CandidateGenerator):
     # Triton FP4 MoE tiles the model's sizes; "eager": the same paged path without the graph
     # (any device; tests); False: always the per-token loop below.
     fast_drafts: str | bool = "auto"
+    prefill_chunk: int = 2048  # MTP rows per forward when catching up on a long prompt
 
     def __init__(self, mtp, run, generation_config, logits_processor=None):
         self.mtp = mtp
@@ -125,14 +126,18 @@ class MtpCandidateGenerator(CandidateGenerator):
         mtp, device = self.mtp, self.mtp.e_proj.weight.device
         # Roll the draft rows back and recompute the verified ones from the target's residual.
         self.cache.crop(self.confirmed_rows)
-        out = mtp(
-            input_ids[:, self.confirmed_rows + 1 : length].to(device),
-            residual[:, :new_rows],
-            position_ids=torch.arange(self.confirmed_rows, length - 1, device=device).unsqueeze(0),
-            past_key_values=self.cache,
-            logits_to_keep=1,
-            draft_vocab=True,
-        )
+        # Long prompts go through the cache in blocks (bounded activation memory; exact).
+        for a in range(0, new_rows, self.prefill_chunk):
+            b = min(a + self.prefill_chunk, new_rows)
+            p0 = self.confirmed_rows + a
+            out = mtp(
+                input_ids[:, p0 + 1 : p0 + 1 + (b - a)].to(device),
+                residual[:, a:b],
+                position_ids=torch.arange(p0, p0 + (b - a), device=device).unsqueeze(0),
+                past_key_values=self.cache,
+                logits_to_keep=1,
+                draft_vocab=True,
+            )
         self.confirmed_rows = length - 1
 
         budget = min(self.num_assistant_tokens, self.max_length - length - 1)
