@@ -9,22 +9,14 @@ matrix (Sinkhorn-Knopp).  ``hc_head`` collapses the streams once at the end.
 import torch
 from torch import nn
 
+from ..ops.sinkhorn import sinkhorn  # noqa: F401  (the mHC comb matrix; re-exported)
+
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     """``(fn @ flatten(x)) * rsqrt(mean(flatten(x)^2) + eps)`` -> ``[..., fn.shape[0]]`` fp32."""
     xf = x.flatten(-2).float()
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
     return (xf @ fn.float().t()) * r
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then alternate column/row normalisation: a doubly-stochastic matrix."""
-    c = logits.softmax(dim=-1) + eps
-    c = c / (c.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + eps)
-    return c
 
 
 def hc_post(branch_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
