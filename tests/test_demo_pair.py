@@ -128,37 +128,27 @@ def test_mtp_predicts_next_next_token(pair):
 
 @torch.no_grad()
 def test_recursive_drafting_accepts_more_than_one_token_per_round(pair):
-    """Greedy speculative rounds at K=3 starting inside the snippet: the MTP (cache filled
-    from the target's residuals) drafts recursively from its own residual; draft i counts
-    if it equals the target's greedy token after the prefix plus the earlier drafts."""
+    """The product path itself: `target.generate(assistant_model=mtp)` at K=3 from prompts
+    cut inside the held-out snippet gains at least 1.8 tokens per verify round and gives
+    exactly the plain greedy output."""
     target, mtp, tok = pair
     x = tok(SNIPPET, return_tensors="pt", add_special_tokens=False).input_ids
     captured = {}
     handle = target.model.hc_head.register_forward_pre_hook(lambda m, a: captured.__setitem__("res", a[0]))
     try:
-        greedy = target(input_ids=x).logits[0].argmax(-1)
+        target(input_ids=x[:, :33])
     finally:
         handle.remove()
-    res, k, gains = captured["res"], 3, []
-    for n in range(32, x.shape[1] - k - 1, 16):
-        cache = mtp.new_cache()
-        out = mtp(input_ids=x[:, 1 : n + 1], hidden_states=res[:, :n], cache=cache, use_cache=True)
-        assert cache.get_seq_length() == n
-        drafts, r = [int(out.logits[0, -1].argmax())], out.residual[:, -1:]
-        for _ in range(k - 1):
-            o = mtp(input_ids=torch.tensor([[drafts[-1]]]), hidden_states=r, cache=cache, use_cache=True)
-            drafts.append(int(o.logits[0, -1].argmax()))
-            r = o.residual
-        a = 0
-        while a < k:
-            if drafts[:a] == x[0, n + 1 : n + 1 + a].tolist():
-                want = int(greedy[n + a])
-            else:
-                ctx = torch.cat([x[:, : n + 1], torch.tensor([drafts[:a]])], dim=1)
-                want = int(target(input_ids=ctx).logits[0, -1].argmax())
-            if drafts[a] != want:
-                break
-            a += 1
-        gains.append(a + 1)
-    mean = sum(gains) / len(gains)
-    assert mean >= 1.8, f"mean tokens per round at K=3: {mean:.2f} over {len(gains)} rounds"
+    cache = mtp.new_cache()  # the MTP fills its cache from the target's residuals, row for row
+    mtp(input_ids=x[:, 1:33], hidden_states=captured["res"][:, :32], cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 32
+    accepted = rounds = 0
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    for n in range(32, x.shape[1] - 8, 24):
+        prompt = x[:, : n + 1]
+        plain = target.generate(prompt, **kw)
+        assert torch.equal(target.generate(prompt, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+        accepted += mtp.last_generation_stats.accepted
+        rounds += mtp.last_generation_stats.rounds
+    mean = (accepted + rounds) / rounds
+    assert mean >= 1.8, f"mean tokens per round at K=3: {mean:.2f} over {rounds} rounds"
