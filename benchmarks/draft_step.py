@@ -78,12 +78,28 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / (ms * 1e-3)
 
 
+def profile_replay(fn, out_dir, replays: int = 10, name: str = "graphed") -> None:
+    """Where the graphed step's time goes: CUDA kernel time per replay, biggest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    print(f"kernels of {replays} {name} batch-1 K=1 steps:\n{table}")
+    if out_dir:
+        with open(os.path.join(out_dir, f"draft_step_profile_{name}.txt"), "w") as f:
+            f.write(table)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--context", type=int, default=127, help="cached positions before the draft row")
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--profile", action="store_true", help="print the kernels of one graphed batch-1 K=1 replay")
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(int(time.time()))
@@ -184,6 +200,9 @@ def main():
                 graph_err = float((got_l.float() - want_l.float()).norm() / want_l.float().norm())
                 checks[label] = f"graph vs eager logits rel err {graph_err:.1e}, same drafts {bool(torch.equal(got_d, want_d))}"
                 results[label] = time_ms(replay, args.iters)
+                if args.profile and bsz == 1 and k == 1:
+                    profile_replay(replay, args.out)
+                    profile_replay(eager_k, args.out, name="eager")
             except Exception as err:  # report and go on: one device run must bring back what it can
                 checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
 
