@@ -8,6 +8,8 @@ with the context.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -104,6 +106,7 @@ class PagedMtpKVCache:
         self.block_table = torch.full((0, self.pages_per_sequence), -1, dtype=torch.long, device=device)
         self.seq_lengths = torch.zeros(0, dtype=torch.long, device=device)
         self.active: list[bool] = []
+        self._ragged = None  # (rows, num_new) while inside `ragged()`
         for _ in range(batch_size):
             self.add_sequence()
 
@@ -145,16 +148,69 @@ class PagedMtpKVCache:
         return int(self.seq_lengths.max()) if self.batch_size else 0
 
     # -- the MTP attention's interface ------------------------------------------------------------
-    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, positions: torch.Tensor, block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absolute positions ``[B, L]`` -> (page ids, row in page) of each sequence's ring."""
         slot = positions % self.capacity
-        page = self.block_table.gather(1, slot // self.page_size)
+        table = self.block_table if block_table is None else block_table
+        page = table.gather(1, slot // self.page_size)
         return page, slot % self.page_size
+
+    @contextlib.contextmanager
+    def ragged(self, rows: torch.Tensor | None = None, num_new: torch.Tensor | None = None):
+        """Inside this block the next forward runs on the sequences ``rows`` only (in that
+        order; default all active), and of the S rows it appends for sequence ``i`` only the
+        first ``num_new[i]`` are real (default S): the rest are padding that is neither stored
+        nor counted.  This is how a ragged batch (sequences that accepted different numbers
+        of drafts, finished sequences left out) runs as one padded forward.  Padding rows sit
+        after the real ones, so causality hides them from every real query.  Eager only
+        (the masked write synchronises with the host)."""
+        if rows is None:
+            rows = torch.tensor([i for i, a in enumerate(self.active) if a], dtype=torch.long)
+        rows = rows.to(device=self.seq_lengths.device, dtype=torch.long)
+        if rows.numel() == 0:
+            raise ValueError("`rows` selects no sequence.")
+        if not all(self.active[i] for i in rows.tolist()):
+            raise ValueError(f"`rows` {rows.tolist()} includes freed sequences; active: "
+                             f"{[i for i, a in enumerate(self.active) if a]}.")
+        if num_new is not None:
+            num_new = num_new.to(device=self.seq_lengths.device, dtype=torch.long)
+            if num_new.shape != rows.shape or bool((num_new < 0).any()):
+                raise ValueError(f"`num_new` must be [{rows.numel()}] non-negative counts, got {num_new.tolist()}.")
+        self._ragged = (rows, num_new)
+        try:
+            yield self
+        finally:
+            self._ragged = None
+
+    def _update_ragged(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, num_new = self._ragged
+        b, s, _ = kv.shape
+        if b != rows.numel():
+            raise ValueError(f"the forward got a batch of {b} but `ragged(rows=...)` selected {rows.numel()} sequences.")
+        num_new = torch.full_like(rows, s) if num_new is None else num_new
+        if bool((num_new > s).any()):
+            raise ValueError(f"`num_new` {num_new.tolist()} exceeds the {s} rows of the forward.")
+        table, start = self.block_table[rows], self.seq_lengths[rows].unsqueeze(1)
+        hist = self.sliding_window - 1
+        past = start - hist + torch.arange(hist, device=kv.device)
+        page, row = self._rows(past.clamp(min=0), table)
+        held = self.pool[page, row].to(kv.dtype)
+        past = torch.where(past >= 0, past, torch.full_like(past, -(1 << 40)))
+        i = torch.arange(s, device=kv.device)
+        new_pos = start + i
+        # Real rows only, and of a long prefill only the last `capacity` (distinct ring slots).
+        write = (i < num_new.unsqueeze(1)) & (i >= num_new.unsqueeze(1) - self.capacity)
+        page, row = self._rows(new_pos, table)
+        self.pool[page[write], row[write]] = kv[write].to(self.pool.dtype)
+        self.seq_lengths.index_add_(0, rows, num_new)
+        return torch.cat([held, kv], dim=1), torch.cat([past, new_pos], dim=1)
 
     def update(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``kv [B, S, d]`` at each sequence's own length; return the keys to attend
         over ``[B, W-1+S, d]`` and their absolute positions ``[B, W-1+S]`` (rows before a
         sequence's start carry a position far in the past, so the window masks them)."""
+        if self._ragged is not None:
+            return self._update_ragged(kv)
         b, s, _ = kv.shape
         if b != self.batch_size or not all(self.active):
             raise ValueError(

@@ -1,8 +1,9 @@
 """Generation glue: binding to a V4 target, the MTP candidate generator, the rollback-able target cache,
-grammar-constrained generation (xgrammar, optional)."""
+grammar-constrained generation (xgrammar, optional), batched speculative decoding."""
 
 from .candidate import MtpCandidateGenerator
 from .grammar import GrammarStats, XGrammarLogitsProcessor
+from .speculative import SpeculativeOutput, speculative_generate
 from .stats import GenerationStats
 from .target_cache import CacheRollbackError, RollbackDeepseekV4Cache
 
@@ -12,5 +13,7 @@ __all__ = [
     "GrammarStats",
     "MtpCandidateGenerator",
     "RollbackDeepseekV4Cache",
+    "SpeculativeOutput",
     "XGrammarLogitsProcessor",
+    "speculative_generate",
 ]

@@ -1,0 +1,162 @@
+"""Batched speculative decoding (`speculative_generate`): B ragged sequences, per-sequence
+acceptance and rollback, identical to per-sequence greedy generation."""
+
+import pytest
+import torch
+
+from dsv4_mtp_hf import load_demo_pair
+from dsv4_mtp_hf.cache import PagedMtpKVCache
+from dsv4_mtp_hf.generation import speculative_generate
+from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward
+
+from .helpers import tiny_pair
+from .test_demo_pair import SNIPPET
+
+
+def prompts(seed, lengths, vocab=320):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def plain(target, p, n, **kw):
+    kw.setdefault("eos_token_id", None)
+    return target.generate(p[None], max_new_tokens=n, do_sample=False, **kw)[0, p.numel():]
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 3])
+def test_batched_greedy_equals_per_sequence_greedy(k):
+    """Sliding, CSA (rate 4) and HCA (rate 8) layers with an 8-token window; prompts of 5,
+    11 and 23 tokens: every sequence crosses compression boundaries at its own steps."""
+    target, mtp = tiny_pair(seed=20 + k)
+    ps = prompts(k, (5, 11, 23))
+    out = speculative_generate(target, mtp, ps, max_new_tokens=50, num_draft_tokens=k, eos_token_id=[])
+    for i, p in enumerate(ps):
+        assert torch.equal(out.new_tokens[i], plain(target, p, 50)), i
+        assert out.stats[i].new_tokens == 50 and out.stats[i].num_assistant_tokens == k
+    assert out.sequences.shape == (3, 23 + 50)
+
+
+@pytest.mark.tf_internals
+def test_batch_keeps_per_sequence_acceptance_of_the_single_sequence_path():
+    """The trained demo pair accepts ~3 tokens per round.  Per sequence, the batch drafts and
+    accepts exactly what `target.generate(assistant_model=mtp)` does for that sequence alone
+    -- the MTP's rows are recomputed at the right positions with the right residuals -- and
+    the outputs equal plain greedy."""
+    target, mtp, tok = load_demo_pair()
+    x = tok(SNIPPET, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ps = [x[:n] for n in (20, 45, 70, 33)]
+    out = speculative_generate(target, mtp, ps, max_new_tokens=32, num_draft_tokens=3, eos_token_id=[])
+    total_rounds = total_accepted = 0
+    for i, p in enumerate(ps):
+        assert torch.equal(out.new_tokens[i], plain(target, p, 32)), i
+        target.generate(p[None], assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=32, do_sample=False,
+                        eos_token_id=None)
+        alone = mtp.last_generation_stats
+        got = out.stats[i]
+        assert (got.rounds, got.drafted, got.accepted) == (alone.rounds, alone.drafted, alone.accepted), i
+        total_rounds += got.rounds
+        total_accepted += got.accepted
+    assert (total_accepted + total_rounds) / total_rounds > 1.8
+
+
+@pytest.mark.tf_internals
+def test_eos_finishes_sequences_at_different_rounds():
+    target, mtp = tiny_pair(seed=31)
+    ps = prompts(31, (7, 12, 9))
+    free_run = [plain(target, p, 40) for p in ps]
+    eos = int(free_run[1][6])  # a token the second sequence emits early
+    out = speculative_generate(target, mtp, ps, max_new_tokens=40, num_draft_tokens=3, eos_token_id=eos, pad_token_id=2)
+    lengths = set()
+    for i, p in enumerate(ps):
+        want = plain(target, p, 40, eos_token_id=eos, pad_token_id=2)
+        want = want[: (want == eos).nonzero()[0, 0] + 1] if (want == eos).any() else want
+        assert torch.equal(out.new_tokens[i], want), i
+        lengths.add(out.new_tokens[i].numel())
+        row = out.sequences[i, p.numel():]
+        assert torch.equal(row[: want.numel()], want) and bool((row[want.numel():] == 2).all())
+    assert len(lengths) > 1  # the sequences did finish at different times
+
+
+@pytest.mark.tf_internals
+def test_padded_tensor_input_small_prefill_groups_and_chunks():
+    """Left- and right-padded rows give what the unpadded prompts give; prefill split over
+    several target forwards and MTP chunks changes nothing."""
+    target, mtp = tiny_pair(seed=41)
+    ps = prompts(41, (9, 4, 14))
+    ref = speculative_generate(target, mtp, ps, max_new_tokens=30, num_draft_tokens=2, eos_token_id=[])
+    for side in ("left", "right"):
+        ids = torch.full((3, 14), 2, dtype=torch.long)
+        mask = torch.zeros(3, 14, dtype=torch.long)
+        for i, p in enumerate(ps):
+            sl = slice(14 - p.numel(), 14) if side == "left" else slice(0, p.numel())
+            ids[i, sl], mask[i, sl] = p, 1
+        out = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=30, num_draft_tokens=2,
+                                   eos_token_id=[], prefill_tokens=10, prefill_chunk=4)
+        for i in range(3):
+            assert torch.equal(out.new_tokens[i], ref.new_tokens[i]), (side, i)
+            assert out.stats[i].as_dict() == ref.stats[i].as_dict(), (side, i)
+            assert torch.equal(out.sequences[i, :14], ids[i])  # prompt rows come back as given
+
+
+@pytest.mark.tf_internals
+def test_ragged_target_forward_equals_the_model_forward_per_sequence():
+    target, _ = tiny_pair(seed=5)
+    runner = RaggedTargetForward(target)
+    ps = prompts(5, (6, 13))
+    caches = [runner.new_cache(max_rollback=4) for _ in ps]
+    logits, residual, offsets = runner(ps, caches)
+    for i, p in enumerate(ps):
+        want = target(p[None]).logits[0]
+        got = logits[offsets[i] : offsets[i + 1]]
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+        assert caches[i].get_seq_length() == p.numel()
+    assert residual.shape == (19, target.config.hc_mult, target.config.hidden_size)
+    with pytest.raises(ValueError, match="one cache per chunk"):
+        runner(ps, caches[:1])
+
+
+def test_ragged_paged_append_stores_only_real_rows_of_the_selected_sequences():
+    d = 4
+    cache = PagedMtpKVCache(sliding_window=4, head_dim=d, batch_size=3, max_draft_tokens=2, page_size=2)
+    base = torch.randn(3, 5, d)
+    cache.update(base)  # every sequence at length 5
+    kv = torch.randn(2, 3, d)
+    with cache.ragged(rows=torch.tensor([2, 0]), num_new=torch.tensor([1, 3])):
+        keys, pos = cache.update(kv)
+    assert cache.seq_lengths.tolist() == [8, 5, 6]
+    assert keys.shape == (2, 3 + 3, d) and pos[0, 3:].tolist() == [5, 6, 7]
+    # the real rows were written, the padding row of sequence 2 was not
+    page, row = cache._rows(torch.tensor([[5, 6, 7], [5, 6, 7]]), cache.block_table[[0, 2]])
+    stored = cache.pool[page, row]
+    assert torch.equal(stored[0], kv[1])
+    assert torch.equal(stored[1, 0], kv[0, 0])
+    assert not stored[1, 1:].any()  # never-written ring slots stay zero
+    with pytest.raises(ValueError, match="exceeds"):
+        with cache.ragged(rows=torch.tensor([1]), num_new=torch.tensor([4])):
+            cache.update(torch.randn(1, 3, d))
+    cache.free(1)
+    with pytest.raises(ValueError, match="freed"):
+        with cache.ragged(rows=torch.tensor([1])):
+            pass
+
+
+def test_bad_input_names_the_problem():
+    target, mtp = tiny_pair(seed=1)
+    p = prompts(1, (5,))
+    with pytest.raises(NotImplementedError, match="greedy only"):
+        speculative_generate(target, mtp, p, do_sample=True)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(target, mtp, p, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        speculative_generate(target, mtp, p, num_draft_tokens=mtp.config.max_draft_tokens + 2)
+    with pytest.raises(ValueError, match="holes"):
+        speculative_generate(target, mtp, torch.ones(1, 4, dtype=torch.long) * 5,
+                             attention_mask=torch.tensor([[1, 0, 1, 1]]))
+    with pytest.raises(ValueError, match="empty"):
+        speculative_generate(target, mtp, [torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, mtp, [torch.tensor([5, 9999])])
+    other, _ = tiny_pair(seed=2)
+    with pytest.raises(ValueError, match="bind"):
+        speculative_generate(other, mtp, p)
