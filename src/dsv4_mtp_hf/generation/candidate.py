@@ -62,7 +62,13 @@ class MtpCandidateGenerator(CandidateGenerator):
         if mode not in ("auto", "eager") or self.do_sample or self.logits_processor or k < 2:
             return None
         if mode == "auto":
-            if self.mtp.e_proj.weight.device.type != "cuda":
+            device = self.mtp.e_proj.weight.device
+            if device.type != "cuda":
+                return None
+            # A graph replays on one device: a target split by device_map whose embedding lives
+            # elsewhere (the MTP sits by the lm head) drafts eagerly instead.
+            shared = (self.mtp.get_input_embeddings().weight, self.mtp.get_output_embeddings().weight)
+            if any(t.device != device for t in shared):
                 return None
             try:
                 from ..ops.triton.fp4_moe_triton import kernel_supports

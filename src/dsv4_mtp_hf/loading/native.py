@@ -340,7 +340,11 @@ def lm_head_device(target) -> torch.device:
 
 
 def device_resolver(device_map, target_model):
-    """-> function(param name) -> torch.device."""
+    """-> function(param name) -> torch.device.  With a target and no ``device_map`` the MTP
+    goes where the target's lm head is (a draft elsewhere would move every step's hidden
+    states across devices); "auto" and friends mean the same."""
+    if device_map is None and target_model is not None:
+        device_map = "auto"
     if device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
         if target_model is not None:
             device_map = lm_head_device(target_model)

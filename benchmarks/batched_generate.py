@@ -1,0 +1,227 @@
+"""Speculative decoding beyond one GPU and beyond batch 1, against plain `generate`.
+
+Builds a V4-Flash-shaped multi-layer target (random bf16 weights, drawn fresh each run)
+spread over every visible GPU with accelerate's `dispatch_model` (embedding and the first
+layers on cuda:0, the last layers, head and MTP on the last GPU), then in one run:
+
+1. greedy equality: plain `target.generate`, `target.generate(assistant_model=mtp)` and
+   `speculative_generate` give the same tokens;
+2. per-round cost of assisted generation on the split target vs a plain decode step;
+3. tokens/s of `speculative_generate` for B = 1, 4, 16 ragged prompts against plain
+   batched (left-padded) `generate`, with the random MTP (acceptance ~0: the cost of a
+   rejected round) and with oracle drafts (the MTP runs as usual, but its drafts are
+   replaced by the known greedy continuation: acceptance 1, the best case);
+4. the same B sweep on the trained demo pair (real acceptance, tiny and launch-bound).
+
+    python benchmarks/batched_generate.py --out $OUT            # 4 layers, ~55 GB of GPU memory
+    python benchmarks/batched_generate.py --tiny                 # smoke run (CPU or GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from draft_step import fill_random_  # noqa: E402
+
+from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, load_demo_pair  # noqa: E402
+from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
+from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
+
+
+def build_split_target(layers: int, tiny: bool, gen: torch.Generator):
+    from accelerate import dispatch_model
+
+    types = (["heavily_compressed_attention", "compressed_sparse_attention"] * layers)[:layers]
+    kw = dict(num_hidden_layers=layers, layer_types=types, mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
+    if tiny:
+        kw.update(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=64,
+                  q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=16, sliding_window=16,
+                  index_n_heads=8, index_head_dim=32, partial_rotary_factor=0.25,
+                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
+    tc = DeepseekV4Config(**kw)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # bf16 weights; modules transformers keeps in fp32 stay fp32
+    try:
+        with torch.device("meta"):
+            target = DeepseekV4ForCausalLM(tc)
+    finally:
+        torch.set_default_dtype(default)
+    n = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    dev = (lambda i: f"cuda:{i}") if torch.cuda.is_available() else (lambda i: "cpu")
+    device_map = {"model.embed_tokens": dev(0), "model.rotary_emb": dev(0)}
+    for i in range(layers):
+        device_map[f"model.layers.{i}"] = dev(min(n - 1, i * n // layers))
+    device_map.update({"model.hc_head": dev(n - 1), "model.norm": dev(n - 1), "lm_head": dev(n - 1)})
+    for name, d in device_map.items():
+        module = target.get_submodule(name)
+        module.to_empty(device=d)
+        g = torch.Generator(device=d).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        fill_random_(module, g)
+    for layer in target.model.layers:
+        router = layer.mlp.gate
+        if hasattr(router, "tid2eid"):  # hash routing: a fixed random token -> distinct experts table
+            e, k = tc.n_routed_experts, tc.num_experts_per_tok
+            router.tid2eid.copy_(torch.rand(tc.vocab_size, e, device=router.tid2eid.device).argsort(-1)[:, :k])
+    target.model.rotary_emb.__init__(tc, device=dev(0))
+    target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
+    target.eval()
+    with torch.device("meta"):
+        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc))
+    head_dev = target.lm_head.weight.device
+    mtp = mtp.to_empty(device=head_dev).eval()
+    fill_random_(mtp, torch.Generator(device=head_dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
+    for name, prm in mtp.named_parameters():
+        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    mtp.bind(target)
+    return target, mtp, device_map
+
+
+def sync():
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+
+def wall(fn, repeats: int) -> float:
+    """Median wall-clock seconds of `fn()` over `repeats` runs (after one warm-up run)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def left_pad(prompts, pad: int, device):
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.numel():], mask[i, width - p.numel():] = p, 1
+    return ids.to(device), mask.to(device)
+
+
+class OracleDrafts:
+    """Replaces the MTP's drafts by the known greedy continuation (the MTP still runs)."""
+
+    def __init__(self, truth: list[list[int]]):
+        self.truth, self.original = truth, spec._Batch.draft
+
+    def __enter__(self):
+        truth, original = self.truth, self.original
+
+        def draft(batch, seqs, budgets):
+            real = original(batch, seqs, budgets)
+            out = []
+            for i, d in zip(seqs, real):
+                n = len(batch.new[i])
+                out.append(truth[i][n : n + len(d)])
+            return out
+
+        spec._Batch.draft = draft
+
+    def __exit__(self, *exc):
+        spec._Batch.draft = self.original
+
+
+def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label, rows, checks):
+    embed_dev = target.get_input_embeddings().weight.device
+    vocab = target.config.vocab_size
+    for b in batches:
+        prompts = [torch.randint(3, vocab, (prompt_lens[i % len(prompt_lens)],), generator=gen) for i in range(b)]
+        kw = dict(max_new_tokens=new_tokens, num_draft_tokens=k, eos_token_id=[])
+        out = speculative_generate(target, mtp, prompts, **kw)
+        truth = [t.tolist() for t in out.new_tokens]
+        ids, mask = left_pad(prompts, 0, embed_dev)
+        t_plain = wall(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), repeats)
+        t_spec = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
+        acc = sum(s.accepted for s in out.stats) / max(1, sum(s.drafted for s in out.stats))
+        with OracleDrafts(truth):
+            oracle = speculative_generate(target, mtp, prompts, **kw)
+            t_oracle = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
+        checks[f"{label} B={b}: oracle output equals greedy"] = all(
+            o.tolist() == t for o, t in zip(oracle.new_tokens, truth))
+        real_len = statistics.mean(s.mean_accepted_length for s in out.stats)
+        oracle_len = statistics.mean(s.mean_accepted_length for s in oracle.stats)
+        tok = b * new_tokens
+        rows.append((label, b, tok / t_plain, tok / t_spec, real_len, acc, tok / t_oracle, oracle_len))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    seed = int(time.time())
+    gen = torch.Generator().manual_seed(seed)
+    batches = [int(b) for b in args.batches.split(",")]
+    checks, rows, info = {}, [], {"seed": seed}
+    with torch.no_grad():
+        target, mtp, device_map = build_split_target(args.layers, args.tiny, gen)
+        info["devices"] = sorted({str(v) for v in device_map.values()})
+        info["device_map"] = device_map
+        embed_dev = target.get_input_embeddings().weight.device
+        vocab = target.config.vocab_size
+
+        # 1. greedy equality on the split target, and 2. per-round cost.
+        prompt = torch.randint(3, vocab, (1, 100), generator=gen).to(embed_dev)
+        kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None)
+        plain = target.generate(prompt, **kw)
+        assisted = target.generate(prompt, assistant_model=mtp, num_assistant_tokens=args.k, **kw)
+        batched = speculative_generate(target, mtp, [prompt[0].cpu()], max_new_tokens=args.new_tokens,
+                                       num_draft_tokens=args.k, eos_token_id=[])
+        checks["split target: assisted == plain greedy"] = bool(torch.equal(assisted, plain))
+        checks["split target: speculative_generate == plain greedy"] = bool(
+            torch.equal(batched.new_tokens[0], plain[0, 100:].cpu()))
+        t_plain = wall(lambda: target.generate(prompt, **kw), args.repeats)
+        t_assist = wall(lambda: target.generate(prompt, assistant_model=mtp, num_assistant_tokens=args.k, **kw),
+                        args.repeats)
+        rounds = mtp.last_generation_stats.rounds
+        info["plain ms per token"] = 1e3 * t_plain / args.new_tokens
+        info["assisted ms per round"] = 1e3 * t_assist / max(1, rounds)
+        info["assisted rounds"] = rounds
+
+        # 3. the B sweep on the V4-shaped split target.
+        sweep(target, mtp, (64, 100, 150, 200), batches, args.new_tokens, args.k, args.repeats, gen,
+              f"V4-shaped, {args.layers} layers", rows, checks)
+        del target, mtp
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+        # 4. the demo pair (real acceptance).
+        dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+        dt, dm, _ = load_demo_pair(device=dev)
+        sweep(dt, dm, (40, 64, 90), batches, args.new_tokens, args.k, args.repeats, gen, "demo pair", rows, checks)
+
+    print("\n" + json.dumps(info, indent=1, default=str))
+    for k_, v in checks.items():
+        print(f"check: {k_}: {v}")
+    print(f"\n{'model':<24} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'tok/round':>9} {'acc':>5} "
+          f"{'oracle tok/s':>12} {'tok/round':>9}")
+    for label, b, tp, ts, rl, acc, to, ol in rows:
+        print(f"{label:<24} {b:>3} {tp:>11.1f} {ts:>10.1f} {rl:>9.2f} {acc:>5.2f} {to:>12.1f} {ol:>9.2f}")
+    if args.out:
+        with open(os.path.join(args.out, "batched_generate.json"), "w") as f:
+            json.dump({"info": info, "checks": checks, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""A target spread over two GPUs by accelerate (`device_map`), the MTP beside its lm head."""
+
+import pytest
+import torch
+
+from dsv4_mtp_hf.generation import speculative_generate
+
+from .helpers import tiny_pair
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the nvidia-h200-x2 machine)")
+
+
+def split_pair(seed: int):
+    """Layers 0-1 and the embedding on cuda:0; layer 2, the head and the MTP on cuda:1."""
+    from accelerate import dispatch_model
+
+    target, mtp = tiny_pair(seed=seed)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": 1, "model.hc_head": 1, "model.norm": 1, "lm_head": 1}
+    target = dispatch_model(target, device_map=device_map)
+    mtp = mtp.to("cuda:1")
+    mtp.bind(target)
+    return target, mtp
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_split_target_greedy_assisted_and_batched_equal_plain():
+    target, mtp = split_pair(seed=51)
+    assert {p.device.index for p in target.parameters()} == {0, 1}
+    assert mtp.get_output_embeddings().weight.device == mtp.e_proj.weight.device == torch.device("cuda:1")
+    g = torch.Generator().manual_seed(51)
+    prompts = [torch.randint(3, 320, (n,), generator=g) for n in (9, 17)]
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    plain = [target.generate(p[None].to("cuda:0"), **kw)[0, p.numel():].cpu() for p in prompts]
+    for p, want in zip(prompts, plain):
+        got = target.generate(p[None].to("cuda:0"), assistant_model=mtp, num_assistant_tokens=3, **kw)
+        assert torch.equal(got[0, p.numel():].cpu(), want)
+        assert mtp.last_generation_stats.rounds > 0
+    out = speculative_generate(target, mtp, prompts, max_new_tokens=40, num_draft_tokens=3, eos_token_id=[])
+    for got, want in zip(out.new_tokens, plain):
+        assert torch.equal(got, want)
+    # Nothing was copied: the MTP reads the target's own embedding and head.
+    assert mtp.get_input_embeddings() is target.get_input_embeddings()
+    assert mtp.get_output_embeddings() is target.get_output_embeddings()
