@@ -141,6 +141,7 @@ def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label,
     embed_dev = target.get_input_embeddings().weight.device
     vocab = target.config.vocab_size
     for b in batches:
+        print(f"[{label}] B={b}", flush=True)
         prompts = [torch.randint(3, vocab, (prompt_lens[i % len(prompt_lens)],), generator=gen) for i in range(b)]
         kw = dict(max_new_tokens=new_tokens, num_draft_tokens=k, eos_token_id=[])
         out = speculative_generate(target, mtp, prompts, **kw)
@@ -150,11 +151,23 @@ def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label,
                                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), repeats)
         t_spec = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
         acc = sum(s.accepted for s in out.stats) / max(1, sum(s.drafted for s in out.stats))
+        print(f"[{label}] B={b}: oracle drafts", flush=True)
         with OracleDrafts(truth):
             oracle = speculative_generate(target, mtp, prompts, **kw)
             t_oracle = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
-        checks[f"{label} B={b}: oracle output equals greedy"] = all(
-            o.tolist() == t for o, t in zip(oracle.new_tokens, truth))
+        # Against per-sequence plain greedy (the first 4 sequences): bf16 kernels round
+        # differently at different batch shapes, so on the GPU a near-tie can flip.
+        plain_b = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)[:, ids.shape[1]:].cpu()
+        same = {"spec": 0, "oracle": 0, "plain batched": 0}
+        n_ref = min(b, 4)
+        for i in range(n_ref):
+            ref = target.generate(prompts[i][None].to(embed_dev), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False)[0, prompts[i].numel():].tolist()
+            same["spec"] += ref == truth[i]
+            same["oracle"] += ref == oracle.new_tokens[i].tolist()
+            same["plain batched"] += ref == plain_b[i].tolist()
+        checks[f"{label} B={b}: sequences equal to per-sequence plain greedy (of {n_ref})"] = same
         real_len = statistics.mean(s.mean_accepted_length for s in out.stats)
         oracle_len = statistics.mean(s.mean_accepted_length for s in oracle.stats)
         tok = b * new_tokens
