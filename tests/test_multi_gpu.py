@@ -11,10 +11,12 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 
 def split_pair(seed: int):
-    """Layers 0-1 and the embedding on cuda:0; layer 2, the head and the MTP on cuda:1."""
+    """Layers 0-1 and the embedding on cuda:0; layer 2, the head and the MTP on cuda:1.
+    Sizes the Triton FP4 MoE tiles, so the MTP's kernels run on cuda:1 (Triton launches
+    on the *current* device unless the op sets it: that bug would surface here)."""
     from accelerate import dispatch_model
 
-    target, mtp = tiny_pair(seed=seed)
+    target, mtp = tiny_pair(seed=seed, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
                   "model.layers.2": 1, "model.hc_head": 1, "model.norm": 1, "lm_head": 1}
     target = dispatch_model(target, device_map=device_map)

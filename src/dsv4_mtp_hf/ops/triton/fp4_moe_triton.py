@@ -366,6 +366,9 @@ def _fp4_moe_cuda(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_
         return fp4_moe_reference(
             x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
         )
-    return fp4_moe_triton(
-        x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
-    )
+    # Triton launches on the current device, not the tensors': an MTP on cuda:1 (beside a
+    # device_map target's lm head) would otherwise run its kernels on cuda:0.
+    with torch.cuda.device(x.device):
+        return fp4_moe_triton(
+            x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, swiglu_limit
+        )

@@ -47,7 +47,8 @@ def _sinkhorn_cuda(logits, iters, eps):
     if _KERNEL_FAILED or logits.dim() < 2 or logits.shape[-2] != n or n & (n - 1) or iters < 1:
         return sinkhorn_reference(logits.float(), iters, eps)  # square, power-of-two n only
     try:
-        return sinkhorn_triton(logits, iters, eps)
+        with torch.cuda.device(logits.device):  # Triton launches on the current device, not the tensor's
+            return sinkhorn_triton(logits, iters, eps)
     except Exception as err:  # noqa: BLE001 - e.g. a Triton build failure: stay correct, say so once
         import warnings
 
