@@ -172,6 +172,7 @@ def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label,
         oracle_len = statistics.mean(s.mean_accepted_length for s in oracle.stats)
         tok = b * new_tokens
         rows.append((label, b, tok / t_plain, tok / t_spec, real_len, acc, tok / t_oracle, oracle_len))
+        print(rows[-1], checks[f"{label} B={b}: sequences equal to per-sequence plain greedy (of {n_ref})"], flush=True)
 
 
 def main():
@@ -212,6 +213,7 @@ def main():
         info["plain ms per token"] = 1e3 * t_plain / args.new_tokens
         info["assisted ms per round"] = 1e3 * t_assist / max(1, rounds)
         info["assisted rounds"] = rounds
+        print(json.dumps(info, default=str), {k_: v for k_, v in checks.items()}, flush=True)
 
         # 3. the B sweep on the V4-shaped split target.
         sweep(target, mtp, (64, 100, 150, 200), batches, args.new_tokens, args.k, args.repeats, gen,
