@@ -58,8 +58,10 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
         kv_fp8_roundtrip (`bool`): reproduce DeepSeek's inference-time FP8 round trip of the
             non-RoPE KV channels (per 64 values, power-of-two scales). Off by default, as in
             transformers' V4 target.
-        attention_backend (`str`): `"auto"` (FlashInfer on CUDA when importable), `"reference"`
-            or `"flashinfer"`.
+        attention_backend (`str`): the MTP attention's kernels (SPEC §8). `"auto"`: FlashInfer's
+            MLA decode on CUDA for bf16/fp16 calls on the paged cache when FlashInfer imports, the
+            reference otherwise (a `GraphedDrafter` keeps the reference, which torch.compile fuses);
+            `"reference"`; `"flashinfer"`: FlashInfer or a clear error, never a silent fallback.
         mtp_vocab_size (`int`, *optional*): draft only over the first N vocabulary rows.
     """
 

@@ -5,7 +5,10 @@ Python overhead, not by the bytes it reads (BENCHMARKS.md).  :class:`GraphedDraf
 records K single-row MTP steps on a :class:`~dsv4_mtp_hf.cache.PagedMtpKVCache` (static
 shapes, lengths updated in place on the device), each step feeding its argmax token and
 its own residual to the next, and replays them with one launch.  Inputs go through
-static buffers; the cache must not be re-planned between capture and replay.
+static buffers; the cache must not be re-planned between capture and replay.  With the
+FlashInfer attention each step has its own planned wrapper over fixed metadata buffers;
+the host re-plans them (from the cache's lengths) before capturing and before every replay,
+so each step sees its own key count while the context is shorter than the window.
 """
 
 from __future__ import annotations
@@ -28,10 +31,17 @@ class GraphedDrafter:
         self.residual = torch.zeros(b, 1, c.hc_mult, c.hidden_size, dtype=w.dtype, device=w.device)
         self.graph = None
         self.drafts = self.logits = None
+        # FlashInfer attention only when named: under "auto" the drafted steps keep the reference attention,
+        # which torch.compile fuses and captures (FlashInfer's op does not compile yet, and inside the graph it
+        # measured no faster at these shapes, BENCHMARKS.md).  With FlashInfer: one graph-safe plan per step.
+        cache.attention_backend = "reference" if c.attention_backend == "auto" else None
+        self.attention_plans = cache.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts)
 
     @torch.no_grad()
     def run_eager(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The K steps without the graph: drafts ``[B, K]`` and their logits ``[B, K, V]``."""
+        if self.attention_plans is not None:
+            self.attention_plans.rewind()  # step k attends with FlashInfer plan k
         tok, res, drafts, logits = self.tokens, self.residual, [], []
         for _ in range(self.num_drafts):
             out = self.mtp(tok, res, past_key_values=self.cache, draft_vocab=self.draft_vocab)
@@ -61,6 +71,7 @@ class GraphedDrafter:
                 "of 256)."
             )
         lengths = self.cache.seq_lengths.clone()
+        self._plan_attention()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -73,13 +84,25 @@ class GraphedDrafter:
             self.drafts, self.logits = self.run_eager()
         self.cache.seq_lengths.copy_(lengths)
 
-    def __call__(self, tokens: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan_attention(self, seq_lengths: list[int] | None = None) -> None:
+        """FlashInfer: plan every step for the cache's current lengths (host-side, outside capture;
+        no planning at all once every sequence is a window long).  Without ``seq_lengths`` the
+        lengths are read from the device (one synchronisation)."""
+        if self.attention_plans is not None:
+            lengths = self.cache.seq_lengths.tolist() if seq_lengths is None else [int(n) for n in seq_lengths]
+            self.attention_plans.plan_decode_steps(lengths)
+
+    def __call__(self, tokens: torch.Tensor, residual: torch.Tensor,
+                 seq_lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One replay from ``tokens [B, 1]`` (the last confirmed token) and ``residual
         [B, 1, hc_mult, D]`` (the target's residual at its position): K drafts and logits.
-        The returned tensors are the graph's static outputs (copy them to keep them)."""
+        The returned tensors are the graph's static outputs (copy them to keep them).
+        ``seq_lengths``: the cache's lengths as host ints, when the caller tracks them -- spares
+        the FlashInfer planning its device read; they must equal ``cache.seq_lengths``."""
         if self.graph is None:
             raise RuntimeError("call capture() first.")
         self.tokens.copy_(tokens)
         self.residual.copy_(residual)
+        self._plan_attention(seq_lengths)
         self.graph.replay()
         return self.drafts, self.logits

@@ -3,7 +3,13 @@
 import torch
 from torch import nn
 
+from ..cache import PagedMtpKVCache
 from ..ops.attention import sliding_window_attention_reference
+from ..ops.attention_flashinfer import (
+    FlashInferWindowPlans,
+    select_attention_backend,
+    sliding_window_attention_flashinfer,
+)
 from .norms import RMSNorm, rms_normalize
 from .rope import apply_rope
 
@@ -50,6 +56,39 @@ class MtpAttention(nn.Module):
         self.o_a_proj = GroupedOutputProjection(h // config.o_groups, config.o_lora_rank, config.o_groups)
         self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.config = config  # read per call: `config.attention_backend` may change after loading
+        self._flashinfer_plans = {}  # (device, dtype) -> FlashInferWindowPlans for calls without a drafter
+
+    def attention_backend(self, dtype: torch.dtype, device: torch.device, rows: int, cache,
+                          needs_grad: bool = False) -> str:
+        """``"flashinfer"`` or ``"reference"`` for a call of ``rows`` query rows (SPEC §8):
+        ``config.attention_backend`` "auto" picks FlashInfer where it runs, "flashinfer" raises
+        where it does not.  A cache may pin its own backend (``cache.attention_backend``, as
+        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` does under "auto")."""
+        requested = getattr(cache, "attention_backend", None) or self.config.attention_backend
+        return select_attention_backend(requested, dtype, device, self.head_dim, rows,
+                                        isinstance(cache, PagedMtpKVCache), needs_grad)
+
+    def new_flashinfer_plans(self, cache, steps: int) -> FlashInferWindowPlans | None:
+        """Graph-safe FlashInfer plans for ``steps`` chained one-row steps on ``cache`` (what
+        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` captures); None when such a
+        step runs on the reference attention."""
+        w = self.q_b_proj.weight
+        if self.attention_backend(w.dtype, w.device, cache.batch_size, cache) != "flashinfer":
+            return None
+        return FlashInferWindowPlans(self.num_heads, self.head_dim, self.window, self.scale, w.dtype, w.device,
+                                     steps=steps, rows=cache.batch_size)
+
+    def _plans_for(self, q: torch.Tensor, cache) -> FlashInferWindowPlans:
+        plans = getattr(cache, "attention_plans", None)  # a GraphedDrafter's per-step plans
+        if plans is None:
+            key = (q.device, q.dtype)
+            if key not in self._flashinfer_plans:
+                self._flashinfer_plans[key] = FlashInferWindowPlans(
+                    self.num_heads, self.head_dim, self.window, self.scale, q.dtype, q.device
+                )
+            plans = self._flashinfer_plans[key]
+        return plans
 
     def forward(self, h, cos, sin, positions, cache=None):
         """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` a
@@ -65,7 +104,12 @@ class MtpAttention(nn.Module):
             kv_positions = kv_positions.expand(b, -1)  # [L] (shared lengths) or [B, L] (paged)
         else:
             kv_positions = positions
-        o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+        if self.attention_backend(q.dtype, q.device, b * s, cache, needs_grad) == "flashinfer":
+            # the paged cache's keys: W-1 held columns, then the S new ones at kv_positions[:, -s] onward
+            o = sliding_window_attention_flashinfer(q, kv, kv_positions[:, -s], self.sinks, self._plans_for(q, cache))
+        else:
+            o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
         o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
         o = self.o_a_proj(o.reshape(b, s, self.o_groups, -1))
         return self.o_b_proj(o)
