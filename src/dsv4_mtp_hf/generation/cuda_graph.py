@@ -32,8 +32,9 @@ class GraphedDrafter:
         self.graph = None
         self.drafts = self.logits = None
         # FlashInfer attention only when named: under "auto" the drafted steps keep the reference attention,
-        # which torch.compile fuses and captures (FlashInfer's op does not compile yet, and inside the graph it
-        # measured no faster at these shapes, BENCHMARKS.md).  With FlashInfer: one graph-safe plan per step.
+        # which torch.compile fuses and captures (inside the graph FlashInfer measured no faster at these shapes,
+        # BENCHMARKS.md, and its per-drafter plan handle would make torch.compile specialise per drafter).
+        # With FlashInfer: one graph-safe plan per step.
         cache.attention_backend = "reference" if c.attention_backend == "auto" else None
         self.attention_plans = cache.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts)
 

@@ -21,9 +21,9 @@ one wrapper per captured step over fixed metadata buffers (``use_cuda_graph=True
 host re-plans them between replays (FlashInfer's fa2/fa3 plans may be redone in place), so
 a replay sees each step's own key counts.  Once every sequence is a window long the plans
 stop changing.  The launch goes through the ``dsv4_mtp::flashinfer_window_attention``
-custom op, opaque to ``torch.compile`` (Dynamo and Inductor trace around it on CPU; compiling
-the CUDA draft step around it fell back to the uncompiled step on the H200, so compiled
-drafters keep the reference attention -- see ``GraphedDrafter``).
+custom op, opaque to ``torch.compile`` (Dynamo and Inductor trace around it on CPU; not yet
+compiled on the GPU: the plan handle is a constant to Dynamo, so each drafter would compile
+its own step, and compiled drafters keep the reference attention -- see ``GraphedDrafter``).
 """
 
 from __future__ import annotations
