@@ -11,7 +11,8 @@ dequantise-and-matmul reference of the same packed weights, then times (CUDA gra
 replay, L2 flushed with a 256 MiB memset before every timed replay, median of N):
 
 * ours      -- the op as registered for CUDA (Triton, ``fp4_moe_triton.CONFIG``),
-* variants  -- a few launch configurations of the same kernels (``--sweep``),
+* variants  -- a few launch configurations of the same kernels (``--sweep``; ``mma*``
+               time the opt-in mma.sync path of ``fp4_moe_mma``),
 * reference -- ``fp4_moe_reference`` (dequantise + torch matmul per expert, eager:
                it syncs to the host, so it cannot be graph-captured),
 * humming   -- humming-kernels 0.1.19 indexed W4A16 MoE (NVFP4 only), driven the
@@ -291,6 +292,18 @@ SWEEP = {
     # timing breakdown of the default configuration: one kernel alone (result not checked)
     "only_gu": dict(only="gate_up"),
     "only_dn": dict(only="down"),
+    # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
+    # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
+    "dot": dict(mma_max_tokens=0),
+    "mma": dict(mma_max_tokens=64),
+    "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
+    "mma_dn": dict(mma_max_tokens=64, only="down"),
+    "mma_pf2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=4, down_warps=4, prefetch=2)),
+    "m2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=2, down_warps=2)),
+    "m8": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, down_warps=8)),
+    "m4k2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=4, gate_up_ksplit=2, down_warps=4, down_ksplit=2)),
+    "m8k2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=2, down_warps=8, down_ksplit=2)),
+    "m8k4": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=4, down_warps=8, down_ksplit=4)),
     "nofold": dict(fold_scale=False),
     # T=1: more bytes in flight per program (deeper pipeline / wider K steps)
     "g32s4": _cfg(32, 256, 4, 4),
@@ -446,12 +459,13 @@ def main():
     log("", file=logf)
     log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, L2 flushed, median of "
         f"{args.iters}; copy bw {bw / 1e12:.2f} TB/s; floor = bytes/copy-bw; %copy = floor/time", file=logf)
-    hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>4} {'floor_us':>8} {'ours_us':>8} {'%copy':>6} {'err':>8} {'nan':>3} "
-           f"{'hum_us':>8} {'hum%':>5} {'hum_err':>8} {'ref_us':>8}")
+    hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>4} {'floor_us':>8} {'ours_us':>8} {'xfloor':>6} {'%copy':>6} {'err':>8} "
+           f"{'nan':>3} {'hum_us':>8} {'hum%':>5} {'hum_err':>8} {'ref_us':>8}")
     log(hdr, file=logf)
     for r in results:
         o, h = r.get("ours"), r.get("hum")
         log(f"{r['fmt']:>5} {r['T']:>3} {r['uniq']:>4} {fmtv(r['floor'])} {fmtv(o)} "
+            f"{fmtv(o / r['floor'] if o else None, '6.2f')} "
             f"{fmtv(100 * r['floor'] / o if o else None, '5.0f')}% {fmtv(r.get('err'), '8.1e')} {fmtv(r.get('nan'), '3d')} "
             f"{fmtv(h)} {fmtv(100 * r['floor'] / h if h else None, '4.0f')}% {fmtv(r.get('hum_err'), '8.1e')} "
             f"{fmtv(r.get('ref'), '8.0f')}", file=logf)

@@ -199,10 +199,34 @@ def test_triton_matches_f64(fmt, shape, T, k):
     out = torch.full_like(x, float("nan"))
     out.copy_(fp4_moe(x, ids, rw, *W, fmt, LIMIT))  # dispatches to the Triton kernel
     direct = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT)
+    mma = torch.full_like(x, float("nan"))
+    mma.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(mma_max_tokens=64)))  # opt-in mma.sync path
     torch.cuda.synchronize()
-    assert not torch.isnan(out).any() and not torch.isnan(direct).any()
+    assert not torch.isnan(out).any() and not torch.isnan(direct).any() and not torch.isnan(mma).any()
     assert torch.equal(out, direct)  # the op is registered for CUDA and deterministic
     assert rel_err(out, want) < 1e-2
+    assert rel_err(mma, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("mma", [dict(), dict(gate_up_warps=8, gate_up_ksplit=2, down_warps=8, down_ksplit=4),
+                                 dict(gate_up_warps=2, down_warps=2, prefetch=2)])
+def test_mma_path_many_tokens_on_one_expert(fmt, mma):
+    """More than 8 tokens on one expert: the mma.sync kernels take them 8 MMA columns
+    at a time (3 passes here); warp and K-split variants give the same function."""
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES["flash"]
+    W = make_experts(E, D, I, fmt, device="cuda", seed=11)
+    x, ids, rw = make_inputs(20, E, 2, D, device="cuda", seed=12)
+    ids[:, 1] = 3
+    ids[:, 0] = torch.where(ids[:, 0] == 3, 4, ids[:, 0])
+    out = torch.full_like(x, float("nan"))
+    out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(mma_max_tokens=64, mma=mma)))
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -249,3 +273,182 @@ def _reference_f64_gpu(x, ids, rw, W, fmt):
         down = fp4.dequantize_fp4(w2[e], s2[e], fmt, dtype=torch.float64) * g2[e].double()
         out.index_add_(0, tok, act @ down.t())
     return out
+
+
+# ----------------------------------------------------------------------------- PTX (CPU)
+def _bf16_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def _bf16_val(bits: int) -> float:
+    return torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double().item()
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float64).to(torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+
+def _f32_val(bits: int) -> float:
+    return torch.tensor([bits & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32).double().item()
+
+
+def run_warp_ptx(asm: str, operands: list[list[int]]) -> list[list[int]]:
+    """Interpret the PTX subset of ``mma_ptx.mma_asm`` for the 32 lanes of one warp.
+
+    ``operands[lane][i]`` is the 32-bit value of ``$i`` (outputs included); returns them
+    after the block.  mma.sync follows the PTX ISA fragment layouts of m16n8k16 (bf16)."""
+    body = [s.strip() for s in asm.replace("{\n", "\n").split(";")]
+    regs = [dict() for _ in range(32)]
+
+    def val(lane, tok):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            return operands[lane][int(tok[1:])]
+        if tok.startswith("0f"):
+            return int(tok[2:], 16)
+        if tok[0].isdigit() or tok.startswith("-"):
+            return int(tok, 0) & 0xFFFFFFFF
+        return regs[lane][tok]
+
+    def put(lane, tok, v):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            operands[lane][int(tok[1:])] = v & 0xFFFFFFFF
+        else:
+            regs[lane][tok] = v
+
+    def vec(s):
+        return [t.strip() for t in s.strip().strip("{}").split(",")]
+
+    for stmt in body:
+        stmt = stmt.strip().lstrip("{").strip()
+        if not stmt or stmt.startswith(".reg") or stmt == "}":
+            continue
+        op, rest = stmt.split(None, 1)
+        if op.startswith("mma.sync"):
+            parts = [p + "}" for p in rest.split("}") if p.strip(" ,")]
+            d, a, b, c = (vec(p.strip(" ,")) for p in parts)
+            A = [[0.0] * 16 for _ in range(16)]
+            B = [[0.0] * 8 for _ in range(16)]
+            C = [[0.0] * 8 for _ in range(16)]
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                av = [val(lane, r) for r in a]
+                bv = [val(lane, r) for r in b]
+                cv = [val(lane, r) for r in c]
+                for i, (row, k0) in enumerate(((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
+                    A[row][k0] = _bf16_val(av[i])
+                    A[row][k0 + 1] = _bf16_val(av[i] >> 16)
+                for i, k0 in enumerate((2 * q, 2 * q + 8)):
+                    B[k0][g] = _bf16_val(bv[i])
+                    B[k0 + 1][g] = _bf16_val(bv[i] >> 16)
+                for i, (row, col) in enumerate(((g, 2 * q), (g, 2 * q + 1), (g + 8, 2 * q), (g + 8, 2 * q + 1))):
+                    C[row][col] = _f32_val(cv[i])
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                for i, (row, col) in enumerate(((g, 2 * q), (g, 2 * q + 1), (g + 8, 2 * q), (g + 8, 2 * q + 1))):
+                    acc = C[row][col] + sum(A[row][kk] * B[kk][col] for kk in range(16))
+                    put(lane, d[i], _f32_bits(acc))
+            continue
+        args = [t.strip() for t in rest.split(",")] if not rest.strip().startswith("{") else None
+        for lane in range(32):
+            if op == "mov.b32" and rest.strip().startswith("{"):
+                dst, src = rest.split("}")
+                lo, hi = vec(dst + "}")
+                v = val(lane, src.strip(" ,"))
+                put(lane, lo, v & 0xFFFF)
+                put(lane, hi, (v >> 16) & 0xFFFF)
+                continue
+            if op == "mov.b32":
+                put(lane, args[0], val(lane, args[1]))
+            elif op == "prmt.b32":
+                src = val(lane, args[1]) | (val(lane, args[2]) << 32)
+                sel, out = val(lane, args[3]), 0
+                for i in range(4):
+                    out |= ((src >> (8 * ((sel >> (4 * i)) & 7))) & 255) << (8 * i)
+                put(lane, args[0], out)
+            elif op == "and.b32":
+                put(lane, args[0], val(lane, args[1]) & val(lane, args[2]))
+            elif op == "shr.b32":
+                put(lane, args[0], val(lane, args[1]) >> val(lane, args[2]))
+            elif op == "shl.b32":
+                put(lane, args[0], (val(lane, args[1]) << val(lane, args[2])) & 0xFFFFFFFF)
+            elif op == "max.u32":
+                put(lane, args[0], max(val(lane, args[1]), val(lane, args[2])))
+            elif op == "mul.lo.u32":
+                put(lane, args[0], (val(lane, args[1]) * val(lane, args[2])) & 0xFFFFFFFF)
+            elif op == "cvt.rn.f16x2.e4m3x2":
+                h = val(lane, args[1])
+                by = torch.tensor([h & 255, (h >> 8) & 255], dtype=torch.uint8).view(torch.float8_e4m3fn)
+                f = by.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+                put(lane, args[0], int(f[0]) | (int(f[1]) << 16))
+            elif op == "cvt.f32.f16":
+                h = torch.tensor([val(lane, args[1])], dtype=torch.int32).to(torch.int16).view(torch.float16)
+                put(lane, args[0], _f32_bits(h.double().item()))
+            elif op == "mul.f32":
+                put(lane, args[0], _f32_bits(_f32_val(val(lane, args[1])) * _f32_val(val(lane, args[2]))))
+            elif op == "cvt.rn.bf16x2.f32":
+                put(lane, args[0], (_bf16_bits(_f32_val(val(lane, args[1]))) << 16) | _bf16_bits(_f32_val(val(lane, args[2]))))
+            elif op == "fma.rn.bf16x2":
+                a, b, c = (val(lane, r) for r in args[1:])
+                out = 0
+                for sh in (0, 16):
+                    out |= _bf16_bits(_bf16_val(a >> sh) * _bf16_val(b >> sh) + _bf16_val(c >> sh)) << sh
+                put(lane, args[0], out)
+            else:
+                raise AssertionError(f"unexpected PTX op {op}")
+    return operands
+
+
+@pytest.mark.parametrize("fmt,sub", [("nvfp4", 0), ("nvfp4", 1), ("mxfp4", 0), ("mxfp4", 3)])
+def test_mma_ptx_matches_lane_dot_products(fmt, sub):
+    """The small-batch kernels' asm (decode, scale, mma.sync on one 16-byte sub-window),
+    interpreted for a whole warp: each lane's accumulators must equal the dot products of
+    its lane group's two weight rows with the activations of token columns 2q and 2q+1,
+    summed over the four K quarters (lanes)."""
+    from dsv4_mtp_hf.ops.triton import mma_ptx
+
+    g = torch.Generator().manual_seed(5 + sub)
+    asm = mma_ptx.mma_asm(fmt, sub)
+    words = torch.randint(0, 2**32, (32, 2, 4), generator=g, dtype=torch.int64)  # lane, row a/b, word
+    xs = (torch.randn(32, 32, generator=g) * 2).to(torch.bfloat16)  # lane, 32 activations
+    if fmt == "nvfp4":
+        sc = (torch.rand(32, 2, 4, generator=g) * 7 + 0.01).to(torch.float8_e4m3fn).view(torch.uint8)
+        sc[0, 0, 2 * sub] = 0  # a zero scale and an e4m3 subnormal
+        sc[1, 1, 2 * sub + 1] = 3
+    else:
+        sc = torch.randint(118, 136, (32, 2, 4), generator=g, dtype=torch.uint8)
+        sc[0, 0, sub] = 0  # E8M0 0 -> 2**-127
+    unit = 2.0**-63 if fmt == "nvfp4" else 1.0  # the NVFP4 asm works in units of 2**-63 (fold)
+    cin = torch.randn(32, 8, generator=g).double()
+    ops = []
+    for lane in range(32):
+        o = [0] * 8
+        o += [_f32_bits(v * unit) for v in cin[lane].tolist()]
+        o += [int(w) for w in words[lane, 0]] + [int(w) for w in words[lane, 1]]
+        xw = xs[lane].view(torch.int16).to(torch.int64) & 0xFFFF
+        o += [int(xw[2 * i]) | (int(xw[2 * i + 1]) << 16) for i in range(16)]
+        for r in range(2):
+            b = [int(v) for v in sc[lane, r]]
+            o.append(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)
+        ops.append(o)
+    out = run_warp_ptx(asm, ops)
+    # expected: weight value v of lane (g, q), row r -> e2m1 x block scale (asm units)
+    codes = torch.stack([(words >> (4 * k)) & 15 for k in range(8)], dim=-1).reshape(32, 2, 32)  # lane,row,value
+    vals = fp4.decode_e2m1(codes.to(torch.uint8)).double()
+    if fmt == "nvfp4":
+        sidx = 2 * sub + torch.arange(32) // 16
+        s = fp4.decode_scales(sc, "nvfp4").double()[:, :, sidx]
+    else:
+        s = fp4.decode_scales(sc, "mxfp4").double()[:, :, [sub]]
+    w = vals * s  # [lane, row, value]
+    xd = xs.double()
+    for lane in range(32):
+        grp, q = lane >> 2, lane & 3
+        got = [(_f32_val(out[lane][i]) + _f32_val(out[lane][4 + i])) / unit for i in range(4)]
+        for i, (row, col) in enumerate(((0, 2 * q), (0, 2 * q + 1), (1, 2 * q), (1, 2 * q + 1))):
+            terms = torch.cat([w[4 * grp + qq, row] * xd[4 * col + qq] for qq in range(4)])
+            want = cin[lane, i].item() + cin[lane, 4 + i].item() + terms.sum().item()
+            # fp32 accumulation: tolerance from the size of the terms (they cancel)
+            tol = 1e-6 * (terms.abs().sum().item() + abs(want) + 1)
+            assert abs(got[i] - want) <= tol, (fmt, sub, lane, i, got[i], want)

@@ -15,6 +15,9 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
    registers, fp32 result per pair into a ``[P, D]`` fp32 workspace.
 3. ``_sum_kernel``: ``out[t] = sum_j y[t*k + j]`` in a fixed order (deterministic).
 
+``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
+``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
+
 The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
 against the even / odd columns of the activations, so no nibble interleave is needed.
 
@@ -36,6 +39,7 @@ import triton.language as tl
 from ... import fp4
 from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
+from .fp4_moe_mma import fp4_moe_mma, mma_supports
 
 # The PTX decode (e2m1 nibbles -> bf16 bits) lives in ``decode_ptx`` (no Triton import, so
 # CPU CI checks its constants bit for bit: tests/test_fp4_moe_op.py).
@@ -263,6 +267,13 @@ CONFIG = {
     # for MXFP4 exact only for E8M0 exponents 65..191, so MXFP4 needs "fold_mxfp4" too.
     "fold_scale": True,
     "fold_mxfp4": False,
+    # Up to this many tokens the op would take the mma.sync path (``fp4_moe_mma``: decode
+    # straight into MMA registers, no shared memory); 0 = never.  Off by default: it is
+    # correct (GPU-checked, both formats, graph replay) but measured 1.4-1.7x slower than
+    # these tl.dot kernels at every T (BENCHMARKS.md, 2026-11-29).  "mma" holds its launch
+    # configuration (``fp4_moe_mma.MMA_CONFIG``).
+    "mma_max_tokens": 0,
+    "mma": dict(gate_up_warps=4, down_warps=4),
 }
 
 
@@ -287,8 +298,12 @@ def _fp4_moe_triton(
         if not ten.is_contiguous():
             raise ValueError(f"fp4_moe (CUDA) needs contiguous expert tensors; {name} is not (call .contiguous() once at load).")
     cfg = CONFIG if config is None else {**CONFIG, **config}
-    f = fp4.get_format(fmt)
     t, d = x.shape
+    if "gate_up" not in cfg and t <= cfg["mma_max_tokens"] and mma_supports(d, w2.shape[-1] * 2, cfg["mma"]):
+        mcfg = {**cfg["mma"], **({"only": cfg["only"]} if "only" in cfg else {})}
+        return fp4_moe_mma(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt,
+                           swiglu_limit, config=mcfg)
+    f = fp4.get_format(fmt)
     k = topk_ids.shape[1]
     inter = w2.shape[-1] * 2
     p = t * k
