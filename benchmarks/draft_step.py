@@ -13,6 +13,7 @@ thing a user would otherwise run.  CUDA events after warm-up, median of --iters 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,6 +92,107 @@ def profile_replay(fn, out_dir, replays: int = 10, name: str = "graphed") -> Non
     if out_dir:
         with open(os.path.join(out_dir, f"draft_step_profile_{name}.txt"), "w") as f:
             f.write(table)
+
+
+def draft_agreement(got_l, want_l, got_d, want_d) -> tuple[float, int, int]:
+    """(logits rel err, positions with the same greedy draft, positions counted).  A sequence's
+    positions count until the reference's top two logits come within rounding of each other:
+    a near tie may go either way, and every later draft then continues another prefix."""
+    rel = float((got_l.float() - want_l.float()).norm() / want_l.float().norm())
+    top2 = want_l.float().topk(2, dim=-1).values
+    clear = ((top2[..., 0] - top2[..., 1]) > 1e-2 * top2[..., 0].abs().clamp(min=1)).long().cumprod(-1).bool()
+    return rel, int((got_d == want_d)[clear].sum()), int(clear.sum())
+
+
+@contextlib.contextmanager
+def hand_written_kernels(on: bool):
+    """Switch the fused mHC and router kernels (not the FP4 MoE / Sinkhorn ops) on or off."""
+    from dsv4_mtp_hf.ops import hyper_connection, moe_route
+
+    saved = hyper_connection.use_fused_kernels, moe_route.use_fused_kernels
+    hyper_connection.use_fused_kernels = moe_route.use_fused_kernels = on
+    try:
+        yield
+    finally:
+        hyper_connection.use_fused_kernels, moe_route.use_fused_kernels = saved
+
+
+def teacher_forced_check(mtp, step, paged, lengths, gen, rounds: int = 4) -> str:
+    """Single steps from the same random inputs: ``step`` (compiled, fused kernels) against the
+    uncompiled eager step with the PyTorch mHC and router (the reference path) -- per position
+    logits relative error and greedy token, on rounds x batch random positions."""
+    c, b = mtp.config, paged.batch_size
+    errs, same = [], 0
+    for _ in range(rounds):
+        tok = torch.randint(0, c.vocab_size, (b, 1), device=paged.pool.device, generator=gen)
+        res = torch.randn(b, 1, c.hc_mult, c.hidden_size, device=paged.pool.device, generator=gen, dtype=torch.bfloat16)
+        paged.seq_lengths.copy_(lengths)
+        got_t, got_l, _ = step(tok, res, paged, False)
+        with hand_written_kernels(False):
+            paged.seq_lengths.copy_(lengths)
+            want_t, want_l, _ = mtp.draft_step(tok, res, paged, False)
+        errs += ((got_l.float() - want_l.float()).norm(dim=-1) / want_l.float().norm(dim=-1)).tolist()
+        same += int((got_t == want_t).sum())
+    paged.seq_lengths.copy_(lengths)
+    errs.sort()
+    return (f"{len(errs)} random positions, one step each, vs the uncompiled PyTorch-mHC/router eager step: logits "
+            f"rel err median {errs[len(errs) // 2]:.1e}, max {errs[-1]:.1e}; same greedy token {same}/{len(errs)}")
+
+
+def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
+    """The step compiled by torch.compile (Inductor), then captured in the CUDA graph, with the
+    reference attention: with our fused mHC/router kernels (the default) and without them
+    (Inductor alone).  Checked: replay against the compiled steps' own eager run; K chained
+    drafts and single steps against the uncompiled eager path without fused kernels."""
+    c, dev = mtp.config, mtp.e_proj.weight.device
+    for bsz, k, fused in [(1, 1, False), (1, 1, True), (1, 3, True), (4, 3, True), (16, 3, True)]:
+        what = "" if fused else ", no fused mHC/router kernels"
+        label = f"ours: compiled + CUDA graph, batch {bsz}, K={k} drafts{what}"
+        try:
+            mtp.config.attention_backend = "reference"
+            paged = mtp.new_cache(paged=True, batch_size=bsz)
+            pids = torch.randint(0, c.vocab_size, (bsz, args.context + 1), device=dev)
+            phs = torch.randn(bsz, args.context + 1, c.hc_mult, c.hidden_size, device=dev, generator=gen,
+                              dtype=torch.bfloat16)
+            mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged)
+            lengths = paged.seq_lengths.clone()
+            with hand_written_kernels(False):
+                plain = GraphedDrafter(mtp, paged, num_drafts=k)
+                plain.tokens.copy_(pids[:, -1:]); plain.residual.copy_(phs[:, -1:])
+                want_d, want_l = plain.run_eager()
+                paged.seq_lengths.copy_(lengths)
+                if not fused:  # the uncompiled graph of the same path, for the record
+                    plain.capture()
+                    results[f"ours: CUDA graph, batch {bsz}, K={k} drafts{what}"] = time_ms(
+                        lambda: (paged.seq_lengths.copy_(lengths), plain(pids[:, -1:], phs[:, -1:])), args.iters)
+            with hand_written_kernels(fused):
+                t0 = time.perf_counter()
+                drafter = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
+                drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
+                drafter.capture()
+                compile_s = time.perf_counter() - t0
+                if not drafter.compiled:
+                    raise RuntimeError("torch.compile failed; the drafter fell back to the uncompiled step")
+                own_d, own_l = drafter.run_eager()
+
+                def replay():
+                    paged.seq_lengths.copy_(lengths)
+                    return drafter(pids[:, -1:], phs[:, -1:])
+
+                got_d, got_l = replay()
+                torch.cuda.synchronize()
+                rel, same, counted = draft_agreement(got_l, want_l, got_d, want_d)
+                checks[label] = (f"replay == own eager run: {bool(torch.equal(got_l, own_l) and torch.equal(got_d, own_d))}; "
+                                 f"{k} chained drafts vs the uncompiled PyTorch-mHC/router eager steps: logits rel err "
+                                 f"{rel:.1e}, same drafts {same}/{counted}; compile + capture {compile_s:.0f} s")
+                results[label] = time_ms(replay, args.iters)
+                floors[label] = floor_of(bsz, k)
+                if fused and bsz == 16:
+                    checks[label + ", single steps"] = teacher_forced_check(mtp, drafter.step, paged, lengths, gen)
+                if args.profile and bsz == 1 and k == 1:
+                    profile_replay(replay, args.out, name="compiled" + ("" if fused else "_no_fused_kernels"))
+        except Exception as err:  # report and go on: one device run must bring back what it can
+            checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
 
 
 def main():
@@ -226,6 +328,9 @@ def main():
                 checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
             finally:
                 mtp.config.attention_backend = "reference"
+
+        floor_of = lambda bsz, k: k * (dense + min(bsz * c.num_experts_per_tok, c.n_routed_experts) * per_expert + head) / bw * 1e3  # noqa: E731
+        measure_compiled(mtp, args, gen, floor_of, results, checks, floors)
 
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; draft-step floor {floor_ms:.3f} ms "
           f"({floor_bytes / 1e9:.3f} GB: dense {dense / 1e9:.3f}, 6 experts {c.num_experts_per_tok * per_expert / 1e9:.3f}, "

@@ -359,6 +359,7 @@ def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
         mtp.candidate_generator_class = None
     assert torch.equal(got, plain)
     assert made[-1].drafter is not None and made[-1].drafter.use_graph and made[-1].drafter.graph is not None
+    assert made[-1].drafter.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
 
 
 def test_long_prompt_mtp_prefill_in_blocks_is_exact():

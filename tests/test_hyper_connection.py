@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dsv4_mtp_hf.layers.hyper_connection import HyperConnection, HyperHead, hc_post, sinkhorn
@@ -65,3 +66,46 @@ def test_hc_head_collapses_with_sigmoid_weights():
     m = (xf @ head.hc_fn.t()) / torch.sqrt((xf**2).mean(-1, keepdim=True) + 1e-6)
     w = torch.sigmoid(m * 0.7 + head.hc_base) + 1e-6
     torch.testing.assert_close(y, (w.unsqueeze(-1) * x).sum(-2), rtol=1e-5, atol=1e-5)
+
+
+def test_hc_ops_cpu_registrations_are_the_layer_math_and_compiled_hc_post_is_the_same():
+    from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_pre_op
+
+    hc = make_hc(4, 16)
+    x = torch.randn(2, 3, 4, 16)
+    pre, post, comb = hc.weights(x)
+    y, post_op, comb_op = hc_pre_op(x, hc.fn, hc.base, hc.scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(y, (pre.unsqueeze(-1) * x).sum(-2), rtol=1e-6, atol=1e-6)
+    assert torch.equal(post_op, post) and torch.equal(comb_op, comb)
+    head = HyperHead(4, 16, 1e-6, 1e-6)
+    with torch.no_grad():
+        head.hc_fn.normal_(0, 0.5)
+        head.hc_base.normal_()
+        head.hc_scale.fill_(0.7)
+    assert torch.equal(hc_head_op(x, head.hc_fn, head.hc_base, head.hc_scale, 1e-6, 1e-6), head(x))
+    o = torch.randn(2, 3, 16)
+    compiled = torch.compile(hc_post, backend="eager", fullgraph=True)  # the multiply-add form
+    torch.testing.assert_close(compiled(o, x, post, comb), hc_post(o, x, post, comb), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,n,d,dtype", [
+    ((1, 1), 4, 4096, torch.bfloat16), ((16, 1), 4, 4096, torch.bfloat16), ((2, 3), 4, 256, torch.float32),
+    ((5,), 4, 96, torch.bfloat16), ((3,), 2, 1500, torch.float32), ((200,), 4, 256, torch.bfloat16),  # > 64: PyTorch
+])
+def test_fused_hc_kernels_match_the_reference_on_cuda(lead, n, d, dtype):
+    from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_head_reference, hc_pre_op, hc_pre_reference
+
+    x = torch.randn(*lead, n, d, device="cuda").to(dtype)
+    fn, base = torch.randn((2 + n) * n, n * d, device="cuda") * (2 / (n * d) ** 0.5), torch.randn((2 + n) * n, device="cuda")
+    scale = torch.rand(3, device="cuda") + 0.5
+    y, post, comb = hc_pre_op(x, fn, base, scale, 20, 1e-6, 1e-6)
+    want = hc_pre_reference(x.double(), fn.double(), base.double(), scale.double(), 20, 1e-6, 1e-6)
+    assert y.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want[0], rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    torch.testing.assert_close(post.double(), want[1].double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb.double(), want[2].double(), rtol=1e-5, atol=1e-6)
+    hfn, hbase, hscale = torch.randn(n, n * d, device="cuda") * (2 / (n * d) ** 0.5), torch.randn(n, device="cuda"), torch.rand(1, device="cuda") + 0.5
+    yh = hc_head_op(x, hfn, hbase, hscale, 1e-6, 1e-6)
+    want_h = hc_head_reference(x.double(), hfn.double(), hbase.double(), hscale.double(), 1e-6, 1e-6)
+    torch.testing.assert_close(yh.double(), want_h, rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)

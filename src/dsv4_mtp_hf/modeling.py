@@ -28,6 +28,7 @@ from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
 from .layers.moe import FP4Experts, MtpMoE, Router
 from .layers.norms import RMSNorm
 from .layers.rope import rope_cos_sin
+from .ops.argmax import argmax_last
 
 
 @dataclass
@@ -330,6 +331,30 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         if int(input_ids.max()) >= c.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"token ids must lie in [0, vocab_size={c.vocab_size}).")
 
+    def _rows(self, input_ids, hidden_states, position_ids, cache, logits_to_keep: int, draft_vocab: bool):
+        """The forward's tensor math, no checks and no host reads: ``(logits, residual)``."""
+        shared = self._shared
+        device, dtype = self.e_proj.weight.device, self.e_proj.weight.dtype
+        embed = shared.embed_tokens(input_ids.to(shared.embed_tokens.weight.device)).to(device=device, dtype=dtype)
+        e = self.e_proj(self.enorm(embed))
+        x = self.h_proj(self.hnorm(hidden_states.to(device=device, dtype=dtype))) + e.unsqueeze(2)
+        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
+        residual = self.block(x, cos, sin, position_ids, cache)
+        h = residual if not logits_to_keep else residual[:, -logits_to_keep:]
+        h = self.norm(self.hc_head(h))
+        return self._lm_logits(h, shared.lm_head, draft_vocab), residual
+
+    def draft_step(self, tokens: torch.Tensor, residual: torch.Tensor, cache: PagedMtpKVCache, draft_vocab: bool = False):
+        """One greedy draft row per sequence on a paged cache, at each sequence's own length:
+        ``tokens [B, 1]``, ``residual [B, 1, hc_mult, D]`` -> ``(next tokens [B, 1], logits
+        [B, V], residual [B, 1, hc_mult, D])``.  Unlike :meth:`forward` it validates nothing
+        and never reads a value back to the host, so ``torch.compile(fullgraph=True)`` and
+        CUDA graphs take it whole; callers pass valid ids (e.g. the previous step's argmax)."""
+        positions = cache.seq_lengths.clone().unsqueeze(1)  # a copy: the cache advances its lengths in place
+        logits, residual = self._rows(tokens, residual, positions, cache, 1, draft_vocab)
+        logits = logits[:, -1]
+        return argmax_last(logits).unsqueeze(-1), logits, residual
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -347,7 +372,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         ``input_ids[:, p] = t_{p+1}``; predicts ``t_{p+2}``.  ``labels[:, p]`` (optional) is
         that ``t_{p+2}``; -100 ignores a row.  ``draft_vocab=True`` computes logits only for
         the draft vocabulary (see :meth:`set_draft_vocab`); the other entries are ``-inf``."""
-        shared = self._require_bound()
+        self._require_bound()
         if cache is not None:
             past_key_values = cache
         self._check_inputs(input_ids, hidden_states, position_ids)
@@ -355,7 +380,6 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
             past_key_values = self.new_cache()
         b, s = input_ids.shape
         device = self.e_proj.weight.device
-        dtype = self.e_proj.weight.dtype
         if position_ids is None:
             lengths = getattr(past_key_values, "seq_lengths", None)  # per-sequence (paged cache)
             if lengths is not None:
@@ -369,14 +393,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
                 f"position {int(position_ids.max())} is beyond max_position_embeddings="
                 f"{self.config.max_position_embeddings} of this MTP."
             )
-        embed = shared.embed_tokens(input_ids.to(shared.embed_tokens.weight.device)).to(device=device, dtype=dtype)
-        e = self.e_proj(self.enorm(embed))
-        x = self.h_proj(self.hnorm(hidden_states.to(device=device, dtype=dtype))) + e.unsqueeze(2)
-        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
-        residual = self.block(x, cos, sin, position_ids, past_key_values)
-        h = residual if not logits_to_keep else residual[:, -logits_to_keep:]
-        h = self.norm(self.hc_head(h))
-        logits = self._lm_logits(h, shared.lm_head, draft_vocab)
+        logits, residual = self._rows(input_ids, hidden_states, position_ids, past_key_values, logits_to_keep, draft_vocab)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..ops.argmax import argmax_last
 from .stats import GenerationStats
 
 
@@ -39,6 +40,9 @@ class MtpCandidateGenerator(CandidateGenerator):
     # Triton FP4 MoE tiles the model's sizes; "eager": the same paged path without the graph
     # (any device; tests); False: always the per-token loop below.
     fast_drafts: str | bool = "auto"
+    # With the graph ("auto" on CUDA): compile the draft step with torch.compile before capturing
+    # it (fused kernels; the first round pays the compilation, the uncompiled graph if it fails).
+    compile_drafts: bool = True
     prefill_chunk: int = 2048  # MTP rows per forward when catching up on a long prompt
 
     def __init__(self, mtp, run, generation_config, logits_processor=None):
@@ -81,6 +85,10 @@ class MtpCandidateGenerator(CandidateGenerator):
         cache = self.mtp.new_cache(paged=True, batch_size=1)
         drafter = GraphedDrafter(self.mtp, cache, num_drafts=k - 1, draft_vocab=True)
         drafter.use_graph = mode == "auto"
+        # Not with FlashInfer plans: torch.compile specialises on their per-drafter handle, so every
+        # generate call (a new drafter) would recompile the step.
+        if drafter.use_graph and self.compile_drafts and getattr(drafter, "attention_plans", None) is None:
+            drafter.compile_step()
         return drafter
 
     def _recursive_drafts(self, token: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +198,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         """Greedy, no processors: the first draft from the confirmed rows, the rest in one go;
         drafts after an EOS are dropped (their cache rows are rolled back next round)."""
         first_logits = out.logits[:, -1].float()
-        first = first_logits.argmax(-1, keepdim=True)
+        first = argmax_last(first_logits).unsqueeze(-1)  # torch.argmax's tokens, without its one-block reduction
         rest, rest_logits = self._recursive_drafts(first, out.residual[:, -1:])
         tokens = torch.cat([first, rest.to(first.device)], dim=1)
         logits = torch.cat([first_logits.unsqueeze(1), rest_logits.float().to(first_logits.device)], dim=1)

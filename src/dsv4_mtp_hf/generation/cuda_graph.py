@@ -9,6 +9,11 @@ static buffers; the cache must not be re-planned between capture and replay.  Wi
 FlashInfer attention each step has its own planned wrapper over fixed metadata buffers;
 the host re-plans them (from the cache's lengths) before capturing and before every replay,
 so each step sees its own key count while the context is shorter than the window.
+
+``compile=True`` first compiles the step (:meth:`DeepseekV4MtpForCausalLM.draft_step`) with
+``torch.compile(fullgraph=True)``: Inductor fuses the ~200 small kernels of a step (norms,
+RoPE, mHC mixes, softmax, routing math) into a few dozen generated Triton kernels, and the
+graph then captures those.  The custom ops (FP4 MoE, Sinkhorn) stay opaque.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from ..cache import PagedMtpKVCache
 
 
 class GraphedDrafter:
-    def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False):
+    def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False,
+                 compile: bool = False, compile_mode: str | None = None):
         if not isinstance(cache, PagedMtpKVCache):
             raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
         if num_drafts < 1 or num_drafts - 1 > cache.max_draft_tokens:
@@ -37,21 +43,34 @@ class GraphedDrafter:
         # With FlashInfer: one graph-safe plan per step.
         cache.attention_backend = "reference" if c.attention_backend == "auto" else None
         self.attention_plans = cache.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts)
+        self.step, self.compiled = mtp.draft_step, False
+        if compile:
+            self.compile_step(compile_mode)
+
+    def compile_step(self, mode: str | None = None) -> None:
+        """Run the steps through ``torch.compile(fullgraph=True)`` from now on (compiled at the
+        first call -- the warm-up of :meth:`capture` -- and back to the uncompiled step, with
+        a warning, if that fails).  ``dynamic=False``: one specialisation per batch size."""
+        self.step = torch.compile(self.mtp.draft_step, fullgraph=True, dynamic=False, mode=mode)
+        self.compiled = True
 
     @torch.no_grad()
     def run_eager(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K steps without the graph: drafts ``[B, K]`` and their logits ``[B, K, V]``."""
+        """The K steps without the graph (compiled steps if ``compile``): drafts ``[B, K]``
+        and their logits ``[B, K, V]``."""
         if self.attention_plans is not None:
             self.attention_plans.rewind()  # step k attends with FlashInfer plan k
         tok, res, drafts, logits = self.tokens, self.residual, [], []
         for _ in range(self.num_drafts):
-            out = self.mtp(tok, res, past_key_values=self.cache, draft_vocab=self.draft_vocab)
-            step_logits = out.logits[:, -1]
-            tok = step_logits.argmax(-1, keepdim=True)
-            res = out.residual
+            tok, step_logits, res = self.step(tok, res, self.cache, self.draft_vocab)
             drafts.append(tok)
             logits.append(step_logits)
         return torch.cat(drafts, dim=1), torch.stack(logits, dim=1)
+
+    def _warm_up(self, warmup: int, lengths: torch.Tensor) -> None:
+        for _ in range(warmup):
+            self.run_eager()
+            self.cache.seq_lengths.copy_(lengths)
 
     def capture(self, warmup: int = 2) -> None:
         """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
@@ -76,9 +95,18 @@ class GraphedDrafter:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self.run_eager()
+            try:  # compiles (when asked) outside the capture
+                self._warm_up(warmup, lengths)
+            except Exception as err:  # noqa: BLE001 - e.g. no C compiler, a graph break: stay correct
+                if not self.compiled:
+                    raise
+                import warnings
+
+                warnings.warn(f"torch.compile of the MTP draft step failed ({type(err).__name__}: {str(err)[:500]}); "
+                              "capturing the uncompiled step.")
                 self.cache.seq_lengths.copy_(lengths)
+                self.step, self.compiled = self.mtp.draft_step, False
+                self._warm_up(warmup, lengths)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -9,20 +9,18 @@ matrix (Sinkhorn-Knopp).  ``hc_head`` collapses the streams once at the end.
 import torch
 from torch import nn
 
+from ..ops.hyper_connection import hc_head, hc_mixes, hc_pre, hc_weights  # noqa: F401  (hc_mixes re-exported)
 from ..ops.sinkhorn import sinkhorn  # noqa: F401  (the mHC comb matrix; re-exported)
-
-
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
-    """``(fn @ flatten(x)) * rsqrt(mean(flatten(x)^2) + eps)`` -> ``[..., fn.shape[0]]`` fp32."""
-    xf = x.flatten(-2).float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
-    return (xf @ fn.float().t()) * r
 
 
 def hc_post(branch_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``x'_k = post_k * o + sum_j comb[j, k] * x_j`` (sum over the FIRST index)."""
-    mixed = torch.einsum("...jk,...jd->...kd", comb, streams.float())
-    return (post.unsqueeze(-1) * branch_out.float().unsqueeze(-2) + mixed).to(streams.dtype)
+    xs, out = streams.float(), post.unsqueeze(-1) * branch_out.float().unsqueeze(-2)
+    if torch.compiler.is_compiling():  # n multiply-adds: Inductor fuses them into one kernel (a bmm it would not)
+        for j in range(streams.shape[-2]):
+            out = out + comb[..., j, :].unsqueeze(-1) * xs[..., j : j + 1, :]
+        return out.to(streams.dtype)
+    return (out + torch.einsum("...jk,...jd->...kd", comb, xs)).to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -38,19 +36,12 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (fp32)."""
-        n = self.hc_mult
-        m = hc_mixes(streams, self.fn, self.rms_eps)
-        base, scale = self.base.float(), self.scale.float()
-        pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + self.hc_eps
-        post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-        comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
-        return pre, post, sinkhorn(comb_logits, self.sinkhorn_iters, self.hc_eps)
+        return hc_weights(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.rms_eps)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (collapsed block input ``[..., D]`` in the streams' dtype, post, comb)."""
-        pre, post, comb = self.weights(streams)
-        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
-        return collapsed, post, comb
+        """-> (collapsed block input ``[..., D]`` in the streams' dtype, post, comb); one fused
+        op on CUDA (``dsv4_mtp::hc_pre``)."""
+        return hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.rms_eps)
 
 
 class HyperHead(nn.Module):
@@ -64,6 +55,4 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        m = hc_mixes(streams, self.hc_fn, self.rms_eps)
-        w = torch.sigmoid(m * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (w.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+        return hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.rms_eps)

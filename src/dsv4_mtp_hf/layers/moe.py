@@ -7,6 +7,7 @@ from torch import nn
 
 from .. import fp4
 from ..ops.fp4_moe import fp4_moe
+from ..ops.moe_route import moe_route
 
 
 class Router(nn.Module):
@@ -21,12 +22,9 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(h.float(), self.weight.float())).sqrt()
-        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.routed_scaling_factor, ids
+        """h ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]``); fused on CUDA."""
+        return moe_route(h, self.weight, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor,
+                         self.norm_topk_prob)
 
 
 class FP4Experts(nn.Module):

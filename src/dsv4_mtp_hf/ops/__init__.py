@@ -1,9 +1,13 @@
 """Custom ops: a readable PyTorch reference per op, fast kernels registered behind it."""
 
+from .argmax import argmax_last
 from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_cuda_kernels
+from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
+from .moe_route import moe_route, moe_route_reference
 from .sinkhorn import sinkhorn, sinkhorn_op, sinkhorn_reference
 
 __all__ = [
-    "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
+    "argmax_last", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
+    "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
     "sinkhorn", "sinkhorn_op", "sinkhorn_reference",
 ]

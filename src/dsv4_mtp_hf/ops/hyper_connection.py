@@ -1,0 +1,122 @@
+"""``dsv4_mtp::hc_pre`` and ``dsv4_mtp::hc_head`` -- the mHC stream collapses (SPEC §3).
+
+Per token, ``hc_pre`` is: an RMS factor of the flattened streams, 24 mixes (a
+``[24, n*D]`` fp32 GEMV), sigmoids for ``pre``/``post``, a 4x4 Sinkhorn for ``comb`` and
+the collapse ``y = sum_j pre_j x_j``; ``hc_head`` is the same without Sinkhorn and post.
+As PyTorch ops (even compiled) that is a GEMV, a reduction, a Sinkhorn launch and a
+collapse per call; the CUDA registration (``ops/triton/hyper_connection_triton.py``) does
+it in two kernels.  The reference below is the source of truth (CPU, autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sinkhorn import sinkhorn, sinkhorn_reference
+
+LIB = "dsv4_mtp"
+# False: CUDA runs the reference math too (to measure or rule out the fused kernels).
+use_fused_kernels = True
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    """``(fn @ flatten(x)) * rsqrt(mean(flatten(x)^2) + eps)`` -> ``[..., fn.shape[0]]`` fp32."""
+    xf = x.flatten(-2).float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+    return (xf @ fn.float().t()) * r
+
+
+def hc_weights(x, fn, base, scale, iters: int, hc_eps: float, rms_eps: float, comb_fn=sinkhorn):
+    """-> ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (fp32)."""
+    n = x.shape[-2]
+    m = hc_mixes(x, fn, rms_eps)
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
+    return pre, post, comb_fn(comb_logits, iters, hc_eps)
+
+
+def collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_j w_j x_j`` in fp32, returned in ``x``'s dtype."""
+    return (weights.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)
+
+
+def hc_pre_reference(x, fn, base, scale, iters: int, hc_eps: float, rms_eps: float):
+    """``x [..., n, D]`` -> (block input ``[..., D]`` in x's dtype, post, comb)."""
+    pre, post, comb = hc_weights(x, fn, base, scale, iters, hc_eps, rms_eps, comb_fn=sinkhorn_reference)
+    return collapse(pre, x), post, comb
+
+
+def hc_head_reference(x, fn, base, scale, hc_eps: float, rms_eps: float):
+    """``w_j = sigmoid(m_j * scale + base_j) + eps``; ``sum_j w_j x_j``.  No Sinkhorn, no post."""
+    m = hc_mixes(x, fn, rms_eps)
+    w = torch.sigmoid(m * scale.float() + base.float()) + hc_eps
+    return collapse(w, x)
+
+
+@torch.library.custom_op(f"{LIB}::hc_pre", mutates_args=())
+def hc_pre_op(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+              hc_eps: float, rms_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fallback registration (any device without a faster kernel): the reference math."""
+    y, post, comb = hc_pre_reference(x, fn, base, scale, iters, hc_eps, rms_eps)
+    return y, post.float(), comb.float()
+
+
+@hc_pre_op.register_fake
+def _(x, fn, base, scale, iters, hc_eps, rms_eps):
+    n = x.shape[-2]
+    lead = x.shape[:-2]
+    return (x.new_empty(*lead, x.shape[-1]), x.new_empty(*lead, n, dtype=torch.float32),
+            x.new_empty(*lead, n, n, dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIB}::hc_head", mutates_args=())
+def hc_head_op(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+               rms_eps: float) -> torch.Tensor:
+    """Fallback registration: the reference math."""
+    return hc_head_reference(x, fn, base, scale, hc_eps, rms_eps)
+
+
+@hc_head_op.register_fake
+def _(x, fn, base, scale, hc_eps, rms_eps):
+    return x.new_empty(*x.shape[:-2], x.shape[-1])
+
+
+def _use_op(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    # The op has no autograd formula: training (and CPU, where the reference is as good) runs
+    # the reference directly.
+    return use_fused_kernels and x.is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
+
+
+def hc_pre(x, fn, base, scale, iters: int, hc_eps: float, rms_eps: float):
+    """(collapsed block input ``[..., D]``, post ``[..., n]``, comb ``[..., n, n]``)."""
+    if _use_op(x, fn, base, scale):
+        return hc_pre_op(x.contiguous(), fn, base, scale, iters, hc_eps, rms_eps)
+    pre, post, comb = hc_weights(x, fn, base, scale, iters, hc_eps, rms_eps)
+    return collapse(pre, x), post, comb
+
+
+def hc_head(x, fn, base, scale, hc_eps: float, rms_eps: float) -> torch.Tensor:
+    if _use_op(x, fn, base, scale):
+        return hc_head_op(x.contiguous(), fn, base, scale, hc_eps, rms_eps)
+    return hc_head_reference(x, fn, base, scale, hc_eps, rms_eps)
+
+
+def register_cuda_kernels() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        from .triton import hyper_connection_triton  # noqa: F401  (registers on import)
+    except Exception as err:  # noqa: BLE001 - a broken Triton install must not break the package
+        import warnings
+
+        warnings.warn(f"dsv4_mtp::hc_pre/hc_head: Triton kernels not registered ({type(err).__name__}: {err}).")
+        return False
+    return True
+
+
+if torch.cuda.is_available():
+    register_cuda_kernels()

@@ -1,0 +1,129 @@
+"""Triton kernels behind ``dsv4_mtp::hc_pre`` / ``dsv4_mtp::hc_head`` on CUDA.
+
+Two launches per call, fixed grids (CUDA-graph safe, no host sync, deterministic):
+
+1. ``_mix_partial_kernel`` grid ``(T, SPLIT)``: the ``[M, n*D]`` fp32 GEMV split along K,
+   each program writing its ``M`` partial dot products and its partial sum of squares
+   (the RMS factor) to a small fp32 workspace ``[T, SPLIT, M_PAD + 1]``.
+2. ``_finish_kernel`` grid ``(T, cdiv(D, BLOCK_D))``: every program sums the partials in a
+   fixed order, forms the RMS-scaled mixes, ``pre`` (and for ``hc_pre`` ``post`` and the
+   Sinkhorn ``comb``, kept in registers as an n x n tile) and collapses its slice of D:
+   ``y = sum_j pre_j x_j``.  The few hundred flops of the mixes are recomputed per D block
+   rather than paying a third launch; block 0 writes ``post`` and ``comb``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..hyper_connection import collapse, hc_head_op, hc_head_reference, hc_pre_op, hc_weights
+
+BLOCK_K = 128  # K columns per GEMV program: 128 programs per token at V4 sizes (n*D = 16384)
+MAX_TOKENS = 64  # beyond decode-sized batches a GEMM (the PyTorch path) reads the weights better
+
+# Latency-bound kernels: the warp count (and the finishing block) are picked by timing on the
+# first call -- a CUDA graph's warm-up, outside capture.  Every config computes the same thing.
+_MIX_CONFIGS = [triton.Config({}, num_warps=w) for w in (1, 2, 4)]
+_FINISH_CONFIGS = [triton.Config({"BLOCK_D": b}, num_warps=w) for b, w in ((256, 1), (512, 1), (512, 2), (1024, 4))]
+
+
+@triton.autotune(configs=_MIX_CONFIGS, key=["K", "M", "SPLIT"])
+@triton.jit
+def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    xk = tl.load(x_ptr + t * K + k, mask=kmask, other=0.0).to(tl.float32)
+    rows = tl.arange(0, M_PAD)
+    w = tl.load(fn_ptr + rows[:, None] * K + k[None, :], mask=(rows < M)[:, None] & kmask[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    out = part_ptr + (t * SPLIT + s) * (M_PAD + 1)
+    tl.store(out + rows, acc)
+    tl.store(out + M_PAD, tl.sum(xk * xk, axis=0))
+
+
+@triton.autotune(configs=_FINISH_CONFIGS, key=["K", "D", "N", "HEAD"])
+@triton.jit
+def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr, K, D,
+                   N: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                   ITERS: tl.constexpr, HC_EPS: tl.constexpr, RMS_EPS: tl.constexpr, HEAD: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    db = tl.program_id(1)
+    sp = tl.arange(0, SPLIT_PAD)
+    spmask = sp < SPLIT
+    part = part_ptr + t * SPLIT * (M_PAD + 1) + sp * (M_PAD + 1)  # [SPLIT_PAD] row pointers
+    ss = tl.sum(tl.load(part + M_PAD, mask=spmask, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(ss / K + RMS_EPS)
+    j = tl.arange(0, N)
+    m_pre = tl.sum(tl.load(part[:, None] + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
+    pre = tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + j)) + HC_EPS
+    if not HEAD:
+        m_post = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
+        post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
+        idx = 2 * N + j[:, None] * N + j[None, :]  # comb logits, row-major n x n
+        m_c = tl.sum(tl.load(part[:, None, None] + idx[None, :, :], mask=spmask[:, None, None], other=0.0), axis=0)
+        c = m_c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + idx)
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = e / tl.sum(e, axis=1)[:, None] + HC_EPS  # row softmax + eps
+        c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + HC_EPS)  # rows
+            c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
+        if db == 0:
+            tl.store(post_ptr + t * N + j, post)
+            tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    xv = tl.load(x_ptr + t * K + j[:, None] * D + d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xv, axis=0)
+    tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=dmask)
+
+
+def _supported(x: torch.Tensor, fn: torch.Tensor, mixes: int) -> bool:
+    n = x.shape[-2]
+    return (x.dim() >= 2 and n >= 1 and n & (n - 1) == 0 and fn.shape == (mixes, n * x.shape[-1])
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x[..., 0, 0].numel() <= MAX_TOKENS)
+
+
+def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool):
+    n, d = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    xt = x.reshape(-1, n, d)
+    t, k = xt.shape[0], n * d
+    m = fn.shape[0]
+    m_pad = triton.next_power_of_2(m)
+    split = triton.cdiv(k, BLOCK_K)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    post = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    if t:
+        part = torch.empty(t, split, m_pad + 1, dtype=torch.float32, device=x.device)
+        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, k, M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K)
+        _finish_kernel[lambda meta: (t, triton.cdiv(d, meta["BLOCK_D"]))](
+            xt, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
+            SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), ITERS=iters, HC_EPS=hc_eps, RMS_EPS=rms_eps,
+            HEAD=head)
+    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+@hc_pre_op.register_kernel("cuda")
+def _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, rms_eps):
+    n = x.shape[-2]
+    if iters < 1 or not _supported(x, fn, (2 + n) * n):  # PyTorch math, Sinkhorn through its own op
+        pre, post, comb = hc_weights(x, fn, base, scale, iters, hc_eps, rms_eps)
+        return collapse(pre, x), post.float(), comb.float()
+    with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensor's
+        return _launch(x.contiguous(), fn, base, scale, iters, hc_eps, rms_eps, head=False)
+
+
+@hc_head_op.register_kernel("cuda")
+def _hc_head_cuda(x, fn, base, scale, hc_eps, rms_eps):
+    if not _supported(x, fn, x.shape[-2]):
+        return hc_head_reference(x, fn, base, scale, hc_eps, rms_eps)
+    with torch.cuda.device(x.device):
+        return _launch(x.contiguous(), fn, base, scale, 0, hc_eps, rms_eps, head=True)[0]

@@ -1,0 +1,93 @@
+"""Triton kernels behind ``dsv4_mtp::moe_route`` on CUDA (decode-sized batches).
+
+1. ``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` gate rows per program read
+   in bf16 straight from the weight (no fp32 copy of it), fp32 dot products, then
+   ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace.
+2. ``_topk_kernel`` grid ``(T,)``: the top-k of ``score + bias`` by k rounds of
+   max / lowest index among the maxima / mask, weights from the unbiased scores,
+   renormalised and scaled -- all in registers of one warp.
+
+Fixed grids, no host sync (CUDA-graph safe), deterministic.  Prefill-sized batches (more
+than ``MAX_TOKENS`` rows) go to the reference, whose GEMM is the better tool there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..moe_route import moe_route_op, moe_route_reference
+
+MAX_TOKENS = 64
+BLOCK_E = 2  # gate rows per program: 128 programs per token for 256 experts
+
+
+@triton.jit
+def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = e < E
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < D
+        hk = tl.load(h_ptr + t * D + k, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * D + k[None, :], mask=emask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+    # softplus as torch computes it (identity above 20), log1p without cancellation
+    u = tl.exp(-tl.abs(acc))
+    log1p_u = tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))
+    sp = tl.where(acc > 20.0, acc, tl.maximum(acc, 0.0) + log1p_u)
+    tl.store(s_ptr + t * E + e, tl.sqrt(sp), mask=emask)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, bias_ptr, w_ptr, id_ptr, E, SCALING: tl.constexpr, NORMALIZE: tl.constexpr,
+                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    emask = e < E
+    s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0)
+    sel = tl.where(emask, s + tl.load(bias_ptr + e, mask=emask, other=0.0), float("-inf"))
+    slot = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    ws = tl.zeros([K_PAD], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        m = tl.max(sel, axis=0)
+        idx = tl.minimum(tl.min(tl.where(sel == m, e, E_PAD), axis=0), E - 1)  # a NaN row stays in range
+        ids = tl.where(slot == i, idx, ids)
+        ws = tl.where(slot == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), ws)
+        sel = tl.where(e == idx, float("-inf"), sel)
+    if NORMALIZE:
+        ws = ws / tl.sum(ws, axis=0)  # padding slots hold 0
+    kmask = slot < TOP_K
+    tl.store(w_ptr + t * TOP_K + slot, ws * SCALING, mask=kmask)
+    tl.store(id_ptr + t * TOP_K + slot, ids.to(tl.int64), mask=kmask)
+
+
+def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: bool):
+    t, d = h.shape
+    e = weight.shape[0]
+    scores = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(t, top_k, dtype=torch.long, device=h.device)
+    if t:
+        _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, e, D=d, BLOCK_E=BLOCK_E,
+                                                      BLOCK_K=min(triton.next_power_of_2(d), 4096), num_warps=4)
+        _topk_kernel[(t,)](scores, bias, weights, ids, e, SCALING=float(scaling), NORMALIZE=bool(normalize),
+                           TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+                           num_warps=1)
+    return weights, ids
+
+
+@moe_route_op.register_kernel("cuda")
+def _moe_route_cuda(h, weight, bias, top_k, scaling, normalize):
+    t, d = h.shape
+    e = weight.shape[0]
+    if (t > MAX_TOKENS or not 1 <= top_k <= e or e > 4096 or weight.shape[1] != d
+            or h.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return moe_route_reference(h, weight, bias, top_k, scaling, normalize)
+    with torch.cuda.device(h.device):  # Triton launches on the current device, not the tensor's
+        return moe_route_triton(h.contiguous(), weight.contiguous(), bias.float().contiguous(), top_k, scaling,
+                                normalize)
