@@ -253,7 +253,10 @@ def flashinfer_window_attention_op(q: torch.Tensor, kv: torch.Tensor, first_posi
                                    handle: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The planned FlashInfer launch of :class:`FlashInferWindowPlans` ``handle`` (opaque to
     ``torch.compile``; planning reads positions on the host, which a traced graph cannot)."""
-    return _plans[handle].run(q, kv, first_positions)
+    if not q.is_cuda:  # the CPU stand-in of the tests
+        return _plans[handle].run(q, kv, first_positions)
+    with torch.cuda.device(q.device):  # launch on the tensors' GPU (an MTP beside a split target's head)
+        return _plans[handle].run(q, kv, first_positions)
 
 
 @flashinfer_window_attention_op.register_fake
