@@ -90,6 +90,11 @@ class GraphedDrafter:
                 "which synchronises with the host and cannot be graph-captured (the Triton kernel tiles multiples "
                 "of 256)."
             )
+        # Streams and graphs belong to the current device: make it the MTP's (e.g. cuda:1).
+        with torch.cuda.device(w.device):
+            self._record(warmup)
+
+    def _record(self, warmup: int) -> None:
         lengths = self.cache.seq_lengths.clone()
         self._plan_attention()
         side = torch.cuda.Stream()
