@@ -10,6 +10,7 @@ from dsv4_mtp_hf.generation import speculative_generate
 from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward
 
 from .helpers import tiny_pair
+from .test_generation import _chi2_pvalue
 from .test_demo_pair import SNIPPET
 
 
@@ -144,8 +145,10 @@ def test_ragged_paged_append_stores_only_real_rows_of_the_selected_sequences():
 def test_bad_input_names_the_problem():
     target, mtp = tiny_pair(seed=1)
     p = prompts(1, (5,))
-    with pytest.raises(NotImplementedError, match="greedy only"):
-        speculative_generate(target, mtp, p, do_sample=True)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(target, mtp, p, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        speculative_generate(target, mtp, p, do_sample=True, top_p=1.5)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_generate(target, mtp, p, num_draft_tokens=0)
     with pytest.raises(ValueError, match="max_draft_tokens"):
@@ -160,3 +163,50 @@ def test_bad_input_names_the_problem():
     other, _ = tiny_pair(seed=2)
     with pytest.raises(ValueError, match="bind"):
         speculative_generate(other, mtp, p)
+
+
+@pytest.mark.tf_internals
+def test_batched_speculative_sampling_matches_plain_sampling_in_distribution():
+    """600 copies of one prompt in one batch: the first three tokens are distributed as
+    plain sampling's (temperature and top-k applied alike to drafts and verifier)."""
+    vocab = 16
+    target, mtp = tiny_pair(seed=5, target_overrides=dict(vocab_size=vocab, num_hidden_layers=2,
+                                                           layer_types=["sliding_attention", "compressed_sparse_attention"],
+                                                           mlp_layer_types=["moe", "moe"]))
+    ids = torch.randint(3, vocab, (1, 6), generator=torch.Generator().manual_seed(5))
+    n, kw = 600, dict(temperature=1.3, top_k=10)
+    target.generation_config.eos_token_id = None  # no EOS masking or stopping on either side
+    torch.manual_seed(0)
+    plain = target.generate(ids.expand(n, -1), do_sample=True, max_new_tokens=3, **kw)[:, -3:]
+    out = speculative_generate(target, mtp, [ids[0]] * n, do_sample=True, max_new_tokens=3, num_draft_tokens=2,
+                               eos_token_id=[], generator=torch.Generator().manual_seed(3), **kw)
+    spec = torch.stack(out.new_tokens)
+    drafted, accepted = sum(s.drafted for s in out.stats), sum(s.accepted for s in out.stats)
+    assert accepted > 0.15 * drafted  # the accept path is exercised, and the reject path too:
+    assert accepted < drafted
+    for i in range(3):
+        assert _chi2_pvalue(plain[:, i], spec[:, i], vocab) > 1e-3, f"token {i} distribution differs"
+
+
+def test_speculative_sampling_step_reproduces_the_target_distribution():
+    """One draft drawn from q, verified against p: the emitted token is distributed as p
+    (accept with min(1, p/q), else resample from max(p - q, 0)), whatever q is."""
+    from dsv4_mtp_hf.generation.speculative import _Sampler, _verify_sampled
+
+    g = torch.Generator().manual_seed(0)
+    v, n = 8, 20000
+    p = torch.rand(2, v, generator=g) ** 3
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.rand(v, generator=g) ** 3
+    q = q / q.sum()
+    sampler = _Sampler(None, None, None, torch.Generator().manual_seed(1))
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    first = []
+    for d in drafts:
+        a, last = _verify_sampled(sampler, [d], [q], p)
+        first.append(d if a == 1 else last)
+    counts = torch.bincount(torch.tensor(first), minlength=v).double()
+    expected = p[0].double() * n
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    pvalue = 1 - float(torch.distributions.Chi2(torch.tensor(float(v - 1))).cdf(torch.tensor(stat)))
+    assert pvalue > 1e-3, (counts / n, p[0])

@@ -1,4 +1,4 @@
-"""Batched greedy speculative decoding: B sequences of different lengths, one MTP draft model.
+"""Batched speculative decoding: B sequences of different lengths, one MTP draft model.
 
 transformers' assisted loop serves one sequence at a time.  :func:`speculative_generate`
 runs B sequences together, each with its own acceptance and its own rollback:
@@ -71,11 +71,43 @@ def _head_logits(mtp, residual: torch.Tensor) -> torch.Tensor:
     return mtp._lm_logits(h, mtp._require_bound().lm_head, draft_vocab=True)[:, -1]
 
 
+class _Sampler:
+    """The distribution ``generate(do_sample=True, temperature, top_k, top_p)`` samples from,
+    applied alike to draft and target logits (what makes speculative sampling exact)."""
+
+    def __init__(self, temperature, top_k, top_p, generator):
+        from transformers.generation.logits_process import (
+            LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        )
+
+        self.warpers = LogitsProcessorList()
+        if temperature is not None and temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k is not None and top_k != 0:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+        self.generator = generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` logits -> ``[N, V]`` probabilities."""
+        scores = logits.float()
+        if self.warpers:
+            scores = self.warpers(torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device), scores)
+        return scores.softmax(dim=-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def uniform(self, device) -> float:
+        return float(torch.rand((), generator=self.generator, device=device))
+
+
 class _Batch:
     """Per-sequence state of one :func:`speculative_generate` call."""
 
-    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk):
-        self.target, self.mtp, self.k = target, mtp, k
+    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler=None):
+        self.target, self.mtp, self.k, self.sampler = target, mtp, k, sampler
         self.runner = RaggedTargetForward(target)
         self.device = mtp.e_proj.weight.device
         self.prompts = prompts
@@ -88,6 +120,7 @@ class _Batch:
         self.done = [False] * len(prompts)
         self.stats = [GenerationStats(k) for _ in prompts]
         self.first_draft: dict[int, int] = {}  # the next round's first draft per sequence
+        self.first_q: dict[int, torch.Tensor] = {}  # (sampling) the distribution it was drawn from
         self.draft_residual: dict[int, torch.Tensor] = {}  # the MTP residual it came from
 
     # -- the target's tokens --------------------------------------------------------------------
@@ -105,6 +138,7 @@ class _Batch:
         self.caches[i] = None  # the target cache of a finished sequence is released now
         self.mcache.free(i)
         self.first_draft.pop(i, None)
+        self.first_q.pop(i, None)
         self.draft_residual.pop(i, None)
 
     # -- the MTP's rows -------------------------------------------------------------------------
@@ -137,16 +171,26 @@ class _Batch:
         for j, i in enumerate(seqs):
             self.mtp_rows[i] += counts[j]
         residual = torch.stack(last).unsqueeze(1)  # [S, 1, hc, D]
-        drafts = _head_logits(self.mtp, residual).float().argmax(-1).tolist()
+        logits = _head_logits(self.mtp, residual)
+        if self.sampler is None:
+            drafts = logits.float().argmax(-1).tolist()
+        else:
+            q = self.sampler.probs(logits)
+            drafts = self.sampler.sample(q).tolist()
         for j, i in enumerate(seqs):
             self.first_draft[i] = drafts[j]
             self.draft_residual[i] = residual[j]
+            if self.sampler is not None:
+                self.first_q[i] = q[j]
 
-    def draft(self, seqs: list[int], budgets: list[int]) -> list[list[int]]:
-        """Up to ``budgets[j]`` greedy drafts per sequence: the first from the catch-up, the
-        rest from batched MTP steps on the MTP's own residual (rows rolled back next round)."""
+    def draft(self, seqs: list[int], budgets: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Up to ``budgets[j]`` drafts per sequence: the first from the catch-up, the rest from
+        batched MTP steps on the MTP's own residual (rows rolled back next round).  Greedy, or
+        sampled from the processed MTP distribution, which is returned alongside (sampling)."""
         drafts = [[self.first_draft[i]] if budgets[j] else [] for j, i in enumerate(seqs)]
+        dists = [[self.first_q[i]] if budgets[j] and self.sampler is not None else [] for j, i in enumerate(seqs)]
         steps = max(budgets) - 1
+        step_q = []
         if steps > 0:
             live = [i for j, i in enumerate(seqs) if budgets[j] > 1]
             tok = torch.tensor([[self.first_draft[i]] for i in live], device=self.device)
@@ -157,23 +201,47 @@ class _Batch:
                 pos = torch.tensor([[self.mtp_rows[i] + s] for i in live], device=self.device)
                 with self.mcache.ragged(rows=rows):
                     out = self.mtp(tok, res, position_ids=pos, past_key_values=self.mcache, draft_vocab=True)
-                tok = out.logits[:, -1].float().argmax(-1, keepdim=True)
+                if self.sampler is None:
+                    tok = out.logits[:, -1].float().argmax(-1, keepdim=True)
+                else:
+                    q = self.sampler.probs(out.logits[:, -1])
+                    tok = self.sampler.sample(q).unsqueeze(-1)
+                    step_q.append(q)
                 res = out.residual[:, -1:]
                 steps_out.append(tok)
             more = torch.cat(steps_out, dim=1).tolist()  # one host read per round
             for j, i in enumerate(seqs):
                 if budgets[j] > 1:
-                    drafts[j] += more[live.index(i)][: budgets[j] - 1]
-        for d in drafts:  # nothing after an EOS is worth verifying
+                    r = live.index(i)
+                    drafts[j] += more[r][: budgets[j] - 1]
+                    dists[j] += [q[r] for q in step_q[: budgets[j] - 1]]
+        for d, q in zip(drafts, dists):  # nothing after an EOS is worth verifying
             cut = next((n + 1 for n, t in enumerate(d) if t in self.eos), len(d))
             del d[cut:]
-        return drafts
+            del q[cut:]
+        return drafts, dists
 
     def rollback_mtp(self, seqs: list[int]) -> None:
         lengths = self.mcache.seq_lengths.clone()
         for i in seqs:
             lengths[i] = self.mtp_rows[i]
         self.mcache.crop(lengths)
+
+
+def _verify_sampled(sampler: _Sampler, drafts: list[int], q: list[torch.Tensor], p: torch.Tensor) -> tuple[int, int]:
+    """Speculative sampling of one sequence's round: ``p [k+1, V]`` the target's processed
+    distributions at the verified rows, ``q[n]`` the draft's at draft ``n``.  Returns the
+    accepted count and the token the target adds (a resample after a rejection, else a
+    sample of the row after the last draft)."""
+    for n, (t, qn) in enumerate(zip(drafts, q)):
+        qn = qn.to(p.device)
+        if sampler.uniform(p.device) * float(qn[t]) < float(p[n, t]):  # accept with prob min(1, p/q)
+            continue
+        residual = (p[n] - qn).clamp(min=0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else p[n]
+        return n, int(sampler.sample(residual.unsqueeze(0)))
+    return len(drafts), int(sampler.sample(p[len(drafts)].unsqueeze(0)))
 
 
 @torch.no_grad()
@@ -188,22 +256,37 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     do_sample: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
     prefill_tokens: int = 8192,
     prefill_chunk: int = 2048,
 ) -> SpeculativeOutput:
-    """Greedy speculative decoding of a batch with the MTP as the draft.
+    """Speculative decoding of a batch with the MTP as the draft.
 
     ``input_ids``: a ``[B, S]`` tensor (with ``attention_mask`` for left or right padding)
-    or a list of 1-D prompts.  Every sequence gets exactly the tokens greedy
-    ``target.generate(prompt, max_new_tokens=...)`` gives it alone.  ``num_draft_tokens``
+    or a list of 1-D prompts.  Greedy: every sequence gets exactly the tokens
+    ``target.generate(prompt, max_new_tokens=...)`` gives it alone.  ``do_sample=True``:
+    speculative sampling (drafts drawn from the MTP's processed distribution, accepted with
+    probability ``min(1, p/q)``, a rejection resampled from ``max(p - q, 0)``), so each
+    sequence is distributed as ``generate(prompt, do_sample=True, temperature=, top_k=,
+    top_p=)`` -- unset values come from ``target.generation_config`` as in ``generate``;
+    ``generator`` (on the MTP's device) makes a run reproducible.  ``num_draft_tokens``
     (default ``mtp.generation_config.num_assistant_tokens``) drafts per round;
     ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
     """
+    sampler = None
     if do_sample:
-        raise NotImplementedError(
-            "speculative_generate is greedy only; for sampled speculative decoding use "
-            "`target.generate(ids, assistant_model=mtp, do_sample=True)` one sequence at a time."
-        )
+        gc = target.generation_config
+        temperature = gc.temperature if temperature is None else temperature
+        top_k = gc.top_k if top_k is None else top_k
+        top_p = gc.top_p if top_p is None else top_p
+        if temperature is not None and not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature!r}.")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
+        sampler = _Sampler(temperature, top_k, top_p, generator)
     if mtp.target_model is not target:
         raise ValueError("the MTP is not bound to this target: call `mtp.bind(target)` first.")
     k = mtp.generation_config.num_assistant_tokens if num_draft_tokens is None else num_draft_tokens
@@ -220,7 +303,7 @@ def speculative_generate(
         if int(p.min()) < 0 or int(p.max()) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}).")
     eos = _eos_ids(target, eos_token_id)
-    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk)
+    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler)
 
     # Prefill, in groups of at most `prefill_tokens` prompt tokens (one prompt may exceed it).
     groups, cur, size = [], [], 0
@@ -236,7 +319,7 @@ def speculative_generate(
         lens = torch.tensor([c.numel() for c in chunks])
         last_rows = lens.cumsum(0) - 1
         logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in group], logit_rows=last_rows)
-        first = logits.float().argmax(-1).tolist()
+        first = (logits.float().argmax(-1) if sampler is None else sampler.sample(sampler.probs(logits))).tolist()
         for j, i in enumerate(group):
             st._accept(i, [first[j]])
             st.stats[i].record_round(0, 0, 1)  # the prefill's token: no drafts yet
@@ -248,17 +331,24 @@ def speculative_generate(
         seqs = [i for i, d in enumerate(st.done) if not d]
         # k drafts per sequence, fewer near max_new_tokens (the round also adds the target's token).
         budgets = [min(k, st.max_new - len(st.new[i]) - 1) for i in seqs]
-        drafts = st.draft(seqs, budgets)
+        drafts, dists = st.draft(seqs, budgets)
         chunks = [torch.tensor([st.tokens[i][-1]] + d) for i, d in zip(seqs, drafts)]
         logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in seqs])
-        greedy = logits.float().argmax(-1).tolist()
+        greedy = logits.float().argmax(-1).tolist() if sampler is None else None
+        p_all = sampler.probs(logits) if sampler is not None else None
         st.rollback_mtp(seqs)  # drop the draft rows; the verified ones are recomputed below
         caught, caught_res = [], []
         for j, i in enumerate(seqs):
-            d, g = drafts[j], greedy[offsets[j] : offsets[j + 1]]
-            a = next((n for n, t in enumerate(d) if t != g[n]), len(d))
+            d = drafts[j]
+            if sampler is None:
+                g = greedy[offsets[j] : offsets[j + 1]]
+                a = next((n for n, t in enumerate(d) if t != g[n]), len(d))
+                tokens = d[:a] + [g[a]]
+            else:
+                a, last = _verify_sampled(sampler, d, dists[j], p_all[offsets[j] : offsets[j + 1]])
+                tokens = d[:a] + [last]
             before = len(st.new[i])
-            st._accept(i, d[:a] + [g[a]])
+            st._accept(i, tokens)
             st.stats[i].record_round(len(d), a, len(st.new[i]) - before)
             if st.done[i]:
                 continue
