@@ -25,7 +25,7 @@ Kernels (fixed grids per T, CUDA-graph safe, no host sync):
    its tokens, and writes the bf16 activation of each pair to ``act [P, I]``.
 2. ``_down_mma_kernel``, grid ``(P, D / (16 NW / KSPLIT))``: ``w2`` rows times the pair
    activations, fp32 into ``y [P, D]``.
-3. ``fp4_moe_triton._sum_kernel``: ``out[t] = sum_j y[t k + j]`` in a fixed order.
+3. ``moe_pairs._sum_kernel``: ``out[t] = sum_j y[t k + j]`` in a fixed order.
 
 Lane (warp w, group g, quarter q) owns two weight rows of its lane group and K slice
 (w mod KSPLIT) * 4 + q of them (KSPLIT warps share rows and add their slices at the end);
@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ... import fp4
 from .mma_ptx import CONSTRAINTS, mma_asm
+from .moe_pairs import _expert_rows, _sum_kernel
 
 _C = tl.constexpr(CONSTRAINTS)
 _NV0 = tl.constexpr(mma_asm("nvfp4", 0))
@@ -56,18 +57,6 @@ _MX1 = tl.constexpr(mma_asm("mxfp4", 1))
 _MX2 = tl.constexpr(mma_asm("mxfp4", 2))
 _MX3 = tl.constexpr(mma_asm("mxfp4", 3))
 _TWO63 = tl.constexpr(9.223372036854775808e18)
-
-
-@triton.jit
-def _expert_rows(ids_ptr, pid_p, P, PB: tl.constexpr):
-    offs = tl.arange(0, PB)
-    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-    e = tl.load(ids_ptr + pid_p)
-    match = ids == e
-    earlier = tl.sum((match & (offs < pid_p)).to(tl.int32), axis=0)
-    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
-    count = tl.sum(match.to(tl.int32), axis=0)
-    return e.to(tl.int64), offs, match, rank, count, earlier
 
 
 @triton.jit
@@ -382,7 +371,6 @@ def fp4_moe_mma(
     config: dict | None = None,
 ):
     """The small-batch CUDA path (inputs already validated by the caller)."""
-    from .fp4_moe_triton import _sum_kernel
 
     cfg = {**MMA_CONFIG, **(config or {})}
     f = fp4.get_format(fmt)

@@ -40,6 +40,7 @@ from ... import fp4
 from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 from .fp4_moe_mma import fp4_moe_mma, mma_supports
+from .moe_pairs import _expert_rows, _sum_kernel
 
 # The PTX decode (e2m1 nibbles -> bf16 bits) lives in ``decode_ptx`` (no Triton import, so
 # CPU CI checks its constants bit for bit: tests/test_fp4_moe_op.py).
@@ -98,18 +99,6 @@ def _scaled(vals, s, BLOCK_N: tl.constexpr, HALF_K: tl.constexpr, HALF_G: tl.con
     else:
         w = (v.to(tl.float32) * s[:, :, None]).to(CDT)
     return tl.reshape(w, (BLOCK_N, HALF_K))
-
-
-@triton.jit
-def _expert_rows(ids_ptr, pid_p, P, PB: tl.constexpr):
-    offs = tl.arange(0, PB)
-    ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-    e = tl.load(ids_ptr + pid_p)
-    match = ids == e
-    earlier = tl.sum((match & (offs < pid_p)).to(tl.int32), axis=0)
-    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
-    count = tl.sum(match.to(tl.int32), axis=0)
-    return e.to(tl.int64), offs, match, rank, count, earlier
 
 
 @triton.jit
@@ -229,17 +218,6 @@ def _down_kernel(
                 acc = tl.dot(ao, tl.trans(wh), acc)
             dst = y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :]
             tl.store(dst, acc * gw, mask=r_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < D
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + n, mask=ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * D + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # Launch configuration (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel, by regime:
