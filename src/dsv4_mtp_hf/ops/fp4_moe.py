@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import fp4
+from ._kernels import register_triton_kernels
 
 LIB = "dsv4_mtp"
 
@@ -100,24 +101,8 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2_scale, w2_gl
 
 
 def register_cuda_kernels() -> bool:
-    """Register the Triton kernel behind ``dsv4_mtp::fp4_moe`` for CUDA tensors.
-
-    Called on import when Triton and a CUDA device are present; CPU-only installs (CI)
-    never import Triton.  Returns whether the CUDA kernel is registered."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from .triton import fp4_moe_triton  # noqa: F401  (registers on import)
-    except Exception as err:  # noqa: BLE001 - a broken Triton install must not break the package
-        import warnings
-
-        warnings.warn(f"dsv4_mtp::fp4_moe: Triton CUDA kernel not registered ({type(err).__name__}: {err}); "
-                      "the reference implementation will run on CUDA.")
-        return False
-    return True
-
+    """Register the Triton kernels behind ``dsv4_mtp::fp4_moe`` (on import when CUDA is present)."""
+    return register_triton_kernels("fp4_moe_triton", "dsv4_mtp::fp4_moe")
 
 if torch.cuda.is_available():
     register_cuda_kernels()

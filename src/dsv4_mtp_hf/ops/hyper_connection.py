@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ._kernels import register_triton_kernels
 from .sinkhorn import sinkhorn, sinkhorn_reference
 
 LIB = "dsv4_mtp"
@@ -104,19 +105,8 @@ def hc_head(x, fn, base, scale, hc_eps: float, rms_eps: float) -> torch.Tensor:
 
 
 def register_cuda_kernels() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from .triton import hyper_connection_triton  # noqa: F401  (registers on import)
-    except Exception as err:  # noqa: BLE001 - a broken Triton install must not break the package
-        import warnings
-
-        warnings.warn(f"dsv4_mtp::hc_pre/hc_head: Triton kernels not registered ({type(err).__name__}: {err}).")
-        return False
-    return True
-
+    """Register the Triton kernels behind ``dsv4_mtp::hc_pre/hc_head`` (on import when CUDA is present)."""
+    return register_triton_kernels("hyper_connection_triton", "dsv4_mtp::hc_pre/hc_head")
 
 if torch.cuda.is_available():
     register_cuda_kernels()

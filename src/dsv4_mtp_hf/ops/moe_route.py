@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._kernels import register_triton_kernels
+
 LIB = "dsv4_mtp"
 use_fused_kernels = True  # False: CUDA runs the reference too (to measure or rule out the kernel)
 
@@ -48,19 +50,8 @@ def moe_route(h, weight, bias, top_k: int, scaling: float, normalize: bool):
 
 
 def register_cuda_kernels() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from .triton import moe_route_triton  # noqa: F401  (registers on import)
-    except Exception as err:  # noqa: BLE001 - a broken Triton install must not break the package
-        import warnings
-
-        warnings.warn(f"dsv4_mtp::moe_route: Triton kernels not registered ({type(err).__name__}: {err}).")
-        return False
-    return True
-
+    """Register the Triton kernels behind ``dsv4_mtp::moe_route`` (on import when CUDA is present)."""
+    return register_triton_kernels("moe_route_triton", "dsv4_mtp::moe_route")
 
 if torch.cuda.is_available():
     register_cuda_kernels()

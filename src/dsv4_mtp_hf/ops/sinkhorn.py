@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ._kernels import register_triton_kernels
+
 LIB = "dsv4_mtp"
 
 
@@ -43,19 +45,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def register_cuda_kernels() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        from .triton import sinkhorn_triton  # noqa: F401  (registers on import)
-    except Exception as err:  # noqa: BLE001 - a broken Triton install must not break the package
-        import warnings
-
-        warnings.warn(f"dsv4_mtp::sinkhorn: Triton kernel not registered ({type(err).__name__}: {err}).")
-        return False
-    return True
-
+    """Register the Triton kernels behind ``dsv4_mtp::sinkhorn`` (on import when CUDA is present)."""
+    return register_triton_kernels("sinkhorn_triton", "dsv4_mtp::sinkhorn")
 
 if torch.cuda.is_available():
     register_cuda_kernels()
