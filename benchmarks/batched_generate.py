@@ -218,7 +218,7 @@ def main():
         # 3. the B sweep on the V4-shaped split target.
         sweep(target, mtp, (64, 100, 150, 200), batches, args.new_tokens, args.k, args.repeats, gen,
               f"V4-shaped, {args.layers} layers", rows, checks)
-        del target, mtp
+        target = mtp = None  # free the V4-shaped pair before loading the demo pair
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
         # 4. the demo pair (real acceptance).

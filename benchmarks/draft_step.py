@@ -59,6 +59,17 @@ def fill_random_(module: torch.nn.Module, gen: torch.Generator) -> None:
                 t.copy_(0.02 * torch.randn(t.shape, generator=gen, device=t.device))
 
 
+def prefilled_paged_cache(mtp, bsz: int, context: int, gen: torch.Generator):
+    """A paged MTP cache holding ``context`` random rows per sequence, the random ids and
+    residuals (one row more, for the draft step) and the cache's lengths."""
+    c, dev = mtp.config, mtp.e_proj.weight.device
+    paged = mtp.new_cache(paged=True, batch_size=bsz)
+    pids = torch.randint(0, c.vocab_size, (bsz, context + 1), device=dev)
+    phs = torch.randn(bsz, context + 1, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
+    mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged)
+    return paged, pids, phs, paged.seq_lengths.clone()
+
+
 def time_ms(fn, iters: int, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
@@ -144,18 +155,12 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
     reference attention: with our fused mHC/router kernels (the default) and without them
     (Inductor alone).  Checked: replay against the compiled steps' own eager run; K chained
     drafts and single steps against the uncompiled eager path without fused kernels."""
-    c, dev = mtp.config, mtp.e_proj.weight.device
     for bsz, k, fused in [(1, 1, False), (1, 1, True), (1, 3, True), (4, 3, True), (16, 3, True)]:
         what = "" if fused else ", no fused mHC/router kernels"
         label = f"ours: compiled + CUDA graph, batch {bsz}, K={k} drafts{what}"
         try:
             mtp.config.attention_backend = "reference"
-            paged = mtp.new_cache(paged=True, batch_size=bsz)
-            pids = torch.randint(0, c.vocab_size, (bsz, args.context + 1), device=dev)
-            phs = torch.randn(bsz, args.context + 1, c.hc_mult, c.hidden_size, device=dev, generator=gen,
-                              dtype=torch.bfloat16)
-            mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged)
-            lengths = paged.seq_lengths.clone()
+            paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
             with hand_written_kernels(False):
                 plain = GraphedDrafter(mtp, paged, num_drafts=k)
                 plain.tokens.copy_(pids[:, -1:]); plain.residual.copy_(phs[:, -1:])
@@ -277,12 +282,7 @@ def main():
             label = f"ours: CUDA graph, batch {bsz}, K={k} drafts{fi}"
             try:
                 mtp.config.attention_backend = attn
-                paged = mtp.new_cache(paged=True, batch_size=bsz)
-                pids = torch.randint(0, c.vocab_size, (bsz, args.context + 1), device=dev)
-                phs = torch.randn(bsz, args.context + 1, c.hc_mult, c.hidden_size, device=dev, generator=gen,
-                                  dtype=torch.bfloat16)
-                mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged)
-                lengths = paged.seq_lengths.clone()
+                paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
                 drafter = GraphedDrafter(mtp, paged, num_drafts=k)
                 drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
                 want_d, want_l = drafter.run_eager()

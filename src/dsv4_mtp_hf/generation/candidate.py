@@ -26,7 +26,6 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..ops.argmax import argmax_last
-from .stats import GenerationStats
 
 
 class MtpCandidateGenerator(CandidateGenerator):
