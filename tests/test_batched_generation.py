@@ -6,7 +6,7 @@ import torch
 
 from dsv4_mtp_hf import load_demo_pair
 from dsv4_mtp_hf.cache import PagedMtpKVCache
-from dsv4_mtp_hf.generation import speculative_generate
+from dsv4_mtp_hf.generation import mtp_decoding, speculative_generate
 from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward
 
 from .helpers import tiny_pair
@@ -210,3 +210,27 @@ def test_speculative_sampling_step_reproduces_the_target_distribution():
     stat = float(((counts - expected) ** 2 / expected).sum())
     pvalue = 1 - float(torch.distributions.Chi2(torch.tensor(float(v - 1))).cdf(torch.tensor(stat)))
     assert pvalue > 1e-3, (counts / n, p[0])
+
+
+@pytest.mark.tf_internals
+def test_generate_custom_generate_hook_runs_the_batched_loop():
+    """`target.generate(custom_generate=mtp_decoding, mtp=mtp)`: generate's own input and
+    config handling, our loop; generate's output layout; clear errors for what it cannot honour."""
+    target, mtp = tiny_pair(seed=3)
+    ps = prompts(3, (5, 9))
+    ids, mask = torch.full((2, 9), 2), torch.zeros(2, 9, dtype=torch.long)
+    for i, p in enumerate(ps):
+        ids[i, 9 - p.numel():], mask[i, 9 - p.numel():] = p, 1
+    out = target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, num_draft_tokens=2,
+                          max_new_tokens=12, do_sample=False)
+    ref = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=12, num_draft_tokens=2,
+                               eos_token_id=target.generation_config.eos_token_id, pad_token_id=2)
+    assert torch.equal(out, ref.sequences)
+    for i, p in enumerate(ps):
+        alone = target.generate(p[None], max_new_tokens=12, do_sample=False)[0, p.numel():]
+        assert torch.equal(out[i, 9 : 9 + alone.numel()], alone)
+    with pytest.raises(ValueError, match="RepetitionPenalty"):
+        target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, max_new_tokens=4,
+                        repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="pass the draft"):
+        target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, max_new_tokens=4)

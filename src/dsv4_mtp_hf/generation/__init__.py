@@ -3,7 +3,7 @@ grammar-constrained generation (xgrammar, optional), batched speculative decodin
 
 from .candidate import MtpCandidateGenerator
 from .grammar import GrammarStats, XGrammarLogitsProcessor
-from .speculative import SpeculativeOutput, speculative_generate
+from .speculative import SpeculativeOutput, mtp_decoding, speculative_generate
 from .stats import GenerationStats
 from .target_cache import CacheRollbackError, RollbackDeepseekV4Cache
 
@@ -15,5 +15,6 @@ __all__ = [
     "RollbackDeepseekV4Cache",
     "SpeculativeOutput",
     "XGrammarLogitsProcessor",
+    "mtp_decoding",
     "speculative_generate",
 ]

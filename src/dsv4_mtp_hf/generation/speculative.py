@@ -374,3 +374,39 @@ def speculative_generate(
     for i, r in enumerate(rows):
         sequences[i, : r.numel()] = r
     return SpeculativeOutput(sequences=sequences, new_tokens=new, stats=st.stats)
+
+
+_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+_STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
+
+
+def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, mtp=None, num_draft_tokens: int | None = None, **model_kwargs):
+    """:func:`speculative_generate` as transformers' decoding loop, for
+    ``target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, ...)``.
+
+    ``generate`` prepares the inputs and the generation config (``max_new_tokens``, EOS,
+    padding, ``do_sample``/``temperature``/``top_k``/``top_p``) and hands them here; the
+    result has ``generate``'s layout: the (padded) prompt rows, then each sequence's new
+    tokens, padded with ``pad_token_id``.  Other logits processors, stopping criteria,
+    streamers and dict outputs are not supported and raise."""
+    if mtp is None:
+        raise ValueError("pass the draft: `generate(..., custom_generate=mtp_decoding, mtp=mtp)`.")
+    extra = [type(p).__name__ for p in logits_processor if type(p).__name__ not in _WARPERS]
+    if extra:
+        raise ValueError(f"MTP batched decoding applies temperature/top-k/top-p only; remove {extra} "
+                         "(or use `generate(assistant_model=mtp)` one sequence at a time).")
+    extra = [type(c).__name__ for c in stopping_criteria if type(c).__name__ not in _STOPPERS]
+    if extra:
+        raise ValueError(f"MTP batched decoding stops at EOS and max length only; remove {extra}.")
+    if streamer is not None or synced_gpus or generation_config.return_dict_in_generate:
+        raise ValueError("MTP batched decoding supports no streamer, synced_gpus or return_dict_in_generate.")
+    eos = generation_config.eos_token_id
+    out = speculative_generate(
+        model, mtp, input_ids, attention_mask=model_kwargs.get("attention_mask"),
+        max_new_tokens=generation_config.max_length - input_ids.shape[1], num_draft_tokens=num_draft_tokens,
+        eos_token_id=[] if eos is None else eos, pad_token_id=generation_config.pad_token_id,
+        do_sample=bool(generation_config.do_sample), temperature=generation_config.temperature,
+        top_k=generation_config.top_k, top_p=generation_config.top_p,
+    )
+    return out.sequences.to(input_ids.device)
