@@ -116,6 +116,11 @@ class _Batch:
         self.max_new, self.eos, self.prefill_chunk = max_new_tokens, eos, prefill_chunk
         self.caches = [self.runner.new_cache(max_rollback=k) for _ in prompts]
         self.mcache = mtp.new_cache(paged=True, batch_size=len(prompts))
+        # Under "auto" the MTP keeps the reference attention here, as GraphedDrafter does: FlashInfer
+        # plans on the host per call, and this ragged path has not been measured or checked with it on
+        # a GPU.  An explicit "flashinfer" is honoured.
+        if mtp.config.attention_backend == "auto":
+            self.mcache.attention_backend = "reference"
         self.mtp_rows = [0] * len(prompts)  # rows in the MTP cache (host copy of seq_lengths)
         self.done = [False] * len(prompts)
         self.stats = [GenerationStats(k) for _ in prompts]
