@@ -99,8 +99,8 @@ class _Sampler:
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
-    def uniform(self, device) -> float:
-        return float(torch.rand((), generator=self.generator, device=device))
+    def uniform(self, n: int, device) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator, device=device)
 
 
 class _Batch:
@@ -215,9 +215,10 @@ class _Batch:
                 res = out.residual[:, -1:]
                 steps_out.append(tok)
             more = torch.cat(steps_out, dim=1).tolist()  # one host read per round
+            row_of = {i: r for r, i in enumerate(live)}
             for j, i in enumerate(seqs):
                 if budgets[j] > 1:
-                    r = live.index(i)
+                    r = row_of[i]
                     drafts[j] += more[r][: budgets[j] - 1]
                     dists[j] += [q[r] for q in step_q[: budgets[j] - 1]]
         for d, q in zip(drafts, dists):  # nothing after an EOS is worth verifying
@@ -238,14 +239,20 @@ def _verify_sampled(sampler: _Sampler, drafts: list[int], q: list[torch.Tensor],
     distributions at the verified rows, ``q[n]`` the draft's at draft ``n``.  Returns the
     accepted count and the token the target adds (a resample after a rejection, else a
     sample of the row after the last draft)."""
-    for n, (t, qn) in enumerate(zip(drafts, q)):
-        qn = qn.to(p.device)
-        if sampler.uniform(p.device) * float(qn[t]) < float(p[n, t]):  # accept with prob min(1, p/q)
-            continue
-        residual = (p[n] - qn).clamp(min=0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p[n]
-        return n, int(sampler.sample(residual.unsqueeze(0)))
+    k = len(drafts)
+    if k:
+        # All accept tests of the round in one host read: accept draft n with prob min(1, p/q).
+        qs = torch.stack(q).to(p.device)  # [k, V]
+        t = torch.tensor(drafts, device=p.device)
+        rows = torch.arange(k, device=p.device)
+        accept = sampler.uniform(k, p.device) * qs[rows, t] < p[rows, t]
+        stop = torch.cat([accept.logical_not(), accept.new_ones(1)])  # a sentinel: all accepted -> k
+        n = int(stop.long().argmax())  # the first rejection
+        if n < k:  # first rejection: resample from max(p - q, 0)
+            residual = (p[n] - qs[n]).clamp(min=0)
+            total = residual.sum()
+            residual = residual / total if total > 0 else p[n]
+            return n, int(sampler.sample(residual.unsqueeze(0)))
     return len(drafts), int(sampler.sample(p[len(drafts)].unsqueeze(0)))
 
 
