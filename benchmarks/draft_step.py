@@ -118,8 +118,11 @@ def draft_agreement(got_l, want_l, got_d, want_d) -> tuple[float, int, int]:
 @contextlib.contextmanager
 def hand_written_kernels(on: bool):
     """Switch the fused mHC and router kernels (not the FP4 MoE / Sinkhorn ops) on or off."""
-    from dsv4_mtp_hf.ops import hyper_connection, moe_route
+    import importlib
 
+    # by module path: the package re-exports functions of the same name (dsv4_mtp_hf.ops.moe_route)
+    hyper_connection = importlib.import_module("dsv4_mtp_hf.ops.hyper_connection")
+    moe_route = importlib.import_module("dsv4_mtp_hf.ops.moe_route")
     saved = hyper_connection.use_fused_kernels, moe_route.use_fused_kernels
     hyper_connection.use_fused_kernels = moe_route.use_fused_kernels = on
     try:
@@ -155,8 +158,10 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
     reference attention: with our fused mHC/router kernels (the default) and without them
     (Inductor alone).  Checked: replay against the compiled steps' own eager run; K chained
     drafts and single steps against the uncompiled eager path without fused kernels."""
-    for bsz, k, fused in [(1, 1, False), (1, 1, True), (1, 3, True), (4, 3, True), (16, 3, True)]:
-        what = "" if fused else ", no fused mHC/router kernels"
+    runs = [(1, 1, False, "reference"), (1, 1, True, "reference"), (1, 3, True, "reference"),
+            (4, 3, True, "reference"), (16, 3, True, "reference"), (1, 1, True, "flashinfer"), (4, 3, True, "flashinfer")]
+    for bsz, k, fused, attn in runs:
+        what = ("" if fused else ", no fused mHC/router kernels") + (", FlashInfer attn" if attn == "flashinfer" else "")
         label = f"ours: compiled + CUDA graph, batch {bsz}, K={k} drafts{what}"
         try:
             mtp.config.attention_backend = "reference"
@@ -170,6 +175,7 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                     plain.capture()
                     results[f"ours: CUDA graph, batch {bsz}, K={k} drafts{what}"] = time_ms(
                         lambda: (paged.seq_lengths.copy_(lengths), plain(pids[:, -1:], phs[:, -1:])), args.iters)
+            mtp.config.attention_backend = attn  # the oracle above ran the reference attention
             with hand_written_kernels(fused):
                 t0 = time.perf_counter()
                 drafter = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
@@ -195,9 +201,11 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                 if fused and bsz == 16:
                     checks[label + ", single steps"] = teacher_forced_check(mtp, drafter.step, paged, lengths, gen)
                 if args.profile and bsz == 1 and k == 1:
-                    profile_replay(replay, args.out, name="compiled" + ("" if fused else "_no_fused_kernels"))
+                    profile_replay(replay, args.out, name="compiled" + ("" if fused else "_no_fused_kernels") + f"_{attn}")
         except Exception as err:  # report and go on: one device run must bring back what it can
             checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
+        finally:
+            mtp.config.attention_backend = "reference"
 
 
 def main():
