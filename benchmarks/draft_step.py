@@ -134,23 +134,40 @@ def hand_written_kernels(on: bool):
 def teacher_forced_check(mtp, step, paged, lengths, gen, rounds: int = 4) -> str:
     """Single steps from the same random inputs: ``step`` (compiled, fused kernels) against the
     uncompiled eager step with the PyTorch mHC and router (the reference path) -- per position
-    logits relative error and greedy token, on rounds x batch random positions."""
+    logits relative error and greedy token, on rounds x batch random positions.  For the
+    greedy mismatches it also says whether the top-k expert set differed between the eager
+    fused-kernel step and the reference step at that position (a routing flip: two bf16
+    realisations of near-tied router scores pick different experts)."""
     c, b = mtp.config, paged.batch_size
-    errs, same = [], 0
-    for _ in range(rounds):
-        tok = torch.randint(0, c.vocab_size, (b, 1), device=paged.pool.device, generator=gen)
-        res = torch.randn(b, 1, c.hc_mult, c.hidden_size, device=paged.pool.device, generator=gen, dtype=torch.bfloat16)
-        paged.seq_lengths.copy_(lengths)
-        got_t, got_l, _ = step(tok, res, paged, False)
-        with hand_written_kernels(False):
+    errs, same, flips, mismatch_flips = [], 0, 0, 0
+    routes = []
+    hook = mtp.block.mlp.gate.register_forward_hook(lambda m, i, o: routes.append(o[1].sort(-1).values.clone()))
+    try:
+        for _ in range(rounds):
+            tok = torch.randint(0, c.vocab_size, (b, 1), device=paged.pool.device, generator=gen)
+            res = torch.randn(b, 1, c.hc_mult, c.hidden_size, device=paged.pool.device, generator=gen, dtype=torch.bfloat16)
             paged.seq_lengths.copy_(lengths)
-            want_t, want_l, _ = mtp.draft_step(tok, res, paged, False)
-        errs += ((got_l.float() - want_l.float()).norm(dim=-1) / want_l.float().norm(dim=-1)).tolist()
-        same += int((got_t == want_t).sum())
+            got_t, got_l, _ = step(tok, res, paged, False)
+            routes.clear()
+            paged.seq_lengths.copy_(lengths)
+            mtp.draft_step(tok, res, paged, False)  # eager, fused kernels: its routing
+            with hand_written_kernels(False):
+                paged.seq_lengths.copy_(lengths)
+                want_t, want_l, _ = mtp.draft_step(tok, res, paged, False)
+            flip = (routes[0] != routes[-1]).any(-1).view(b)
+            errs += ((got_l.float() - want_l.float()).norm(dim=-1) / want_l.float().norm(dim=-1)).view(b).tolist()
+            eq = (got_t == want_t).view(b)
+            same += int(eq.sum())
+            flips += int(flip.sum())
+            mismatch_flips += int((flip & ~eq).sum())
+    finally:
+        hook.remove()
     paged.seq_lengths.copy_(lengths)
     errs.sort()
     return (f"{len(errs)} random positions, one step each, vs the uncompiled PyTorch-mHC/router eager step: logits "
-            f"rel err median {errs[len(errs) // 2]:.1e}, max {errs[-1]:.1e}; same greedy token {same}/{len(errs)}")
+            f"rel err median {errs[len(errs) // 2]:.1e}, max {errs[-1]:.1e}; same greedy token {same}/{len(errs)}; "
+            f"top-k expert set differs (eager fused vs reference) at {flips} positions, "
+            f"{mismatch_flips} of the {len(errs) - same} greedy mismatches among them")
 
 
 def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
