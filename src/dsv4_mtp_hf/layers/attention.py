@@ -10,6 +10,8 @@ from ..ops.attention_flashinfer import (
     select_attention_backend,
     sliding_window_attention_flashinfer,
 )
+from ..ops.skinny_linear import skinny_linear, use_skinny
+from .linear import project
 from .norms import RMSNorm, rms_normalize
 from .rope import apply_rope
 
@@ -35,6 +37,8 @@ class GroupedOutputProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_skinny(x.flatten(-2), self.weight):  # a draft step's few rows on CUDA: one weight-streaming launch
+            return skinny_linear(x.flatten(-2), self.weight, self.groups)
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
         return torch.einsum("...gi,goi->...go", x, w).flatten(-2)
 
@@ -94,9 +98,10 @@ class MtpAttention(nn.Module):
         """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` a
         :class:`~dsv4_mtp_hf.cache.MtpKVCache` or None."""
         b, s, _ = h.shape
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(h))).view(b, s, self.num_heads, self.head_dim)
+        q_lat, kv = project(h, self.q_a_proj, self.kv_proj)  # one launch on CUDA for a few rows
+        q = project(self.q_a_norm(q_lat), self.q_b_proj).view(b, s, self.num_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = apply_rope(self.kv_norm(self.kv_proj(h)), cos, sin)
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
         if self.kv_fp8_roundtrip:
             kv = torch.cat([fp8_roundtrip(kv[..., : -self.rope_dim]), kv[..., -self.rope_dim :]], dim=-1)
         if cache is not None:
@@ -112,4 +117,4 @@ class MtpAttention(nn.Module):
             o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
         o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
         o = self.o_a_proj(o.reshape(b, s, self.o_groups, -1))
-        return self.o_b_proj(o)
+        return project(o, self.o_b_proj)

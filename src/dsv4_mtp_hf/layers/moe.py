@@ -8,6 +8,7 @@ from torch import nn
 from .. import fp4
 from ..ops.fp4_moe import fp4_moe
 from ..ops.moe_route import moe_route
+from .linear import project
 
 
 class Router(nn.Module):
@@ -96,9 +97,10 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).float().clamp(max=self.limit)
-        up = self.up_proj(x).float().clamp(-self.limit, self.limit)
-        return self.down_proj((F.silu(gate) * up).to(x.dtype))
+        gate, up = project(x, self.gate_proj, self.up_proj)  # one launch on CUDA for a few rows
+        gate = gate.float().clamp(max=self.limit)
+        up = up.float().clamp(-self.limit, self.limit)
+        return project((F.silu(gate) * up).to(x.dtype), self.down_proj)
 
 
 class MtpMoE(nn.Module):

@@ -5,9 +5,18 @@ from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_
 from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
 from .moe_route import moe_route, moe_route_reference
 from .sinkhorn import sinkhorn, sinkhorn_op, sinkhorn_reference
+from .skinny_linear import (
+    skinny_linear,
+    skinny_linear_cat,
+    skinny_linear_cat_op,
+    skinny_linear_cat_reference,
+    skinny_linear_op,
+    skinny_linear_reference,
+)
 
 __all__ = [
     "argmax_last", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
-    "sinkhorn", "sinkhorn_op", "sinkhorn_reference",
+    "sinkhorn", "sinkhorn_op", "sinkhorn_reference", "skinny_linear", "skinny_linear_cat", "skinny_linear_cat_op",
+    "skinny_linear_cat_reference", "skinny_linear_op", "skinny_linear_reference",
 ]

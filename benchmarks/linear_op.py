@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""``dsv4_mtp::skinny_linear(_cat)`` (Triton) against torch (cuBLAS) on the MTP's dense shapes.
+
+One command on the GPU (see BENCHMARKS.md, "Skinny dense projections")::
+
+    PYTHONPATH=src python benchmarks/linear_op.py --out $OUT [--sweep | --draft-step]
+
+For each V4-Flash dense projection of the MTP (``mtp_dense_shapes``: e_proj/h_proj, wq_a+wkv
+read in one launch, wq_b, the grouped wo_a, wo_b, the shared expert's w1+w3 in one launch and
+w2, the fp32 router gate and mHC fn) and M in {1, 4, 16} rows, with fresh random inputs:
+
+* ours  -- the op as registered for CUDA (``pick_config``),
+* torch -- what the model ran before: ``F.linear`` per weight (two calls for the fused pairs),
+  the einsum of ``GroupedOutputProjection`` for wo_a,
+
+each captured in a CUDA graph and replayed after a 256 MiB write that flushes the L2 (weights
+come from HBM, as in a draft step), timed with CUDA events around the replay alone, median
+of ``--iters``.  Floor = bytes read and written (weights + x + out) over the device-to-device
+copy bandwidth of the same run; ``%copy`` = floor / time.  Other modes: ``--sweep`` times a few
+other launch configurations of our kernel per shape (M = 1 and 16); ``--draft-step`` times the
+compiled + graphed V4-Flash draft step with the op off (cuBLAS) and on, same run.
+Correctness (NaN-poisoned outputs, every shape, M = 1..16) lives in tests/test_skinny_linear.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig  # noqa: E402
+from dsv4_mtp_hf.ops.skinny_linear import mtp_dense_shapes, skinny_linear_op, skinny_linear_cat_op  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); y.copy_(x); b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return 2 * x.numel() * 4 / (statistics.median(times) * 1e-3)
+
+
+class Timer:
+    """``flush="write"`` (the 2026-11-30 numbers): a 256 MiB memset before each replay; it leaves
+    the L2 full of dirty lines whose write-back the timed kernels then share (a fixed cost of
+    several µs per replay, paid by ours and torch alike).  ``"read"`` reads 256 MiB instead
+    (clean lines; closer to a draft step, whose other kernels mostly read weights) -- untimed yet."""
+
+    def __init__(self, iters: int, flush: str = "write"):
+        self.iters = iters
+        self.flush_mode = flush
+        self.flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MiB
+
+    def _flush(self):
+        if self.flush_mode == "read":
+            self.flush.sum()
+        else:
+            self.flush.zero_()
+
+    def graphed_us(self, fn) -> float:
+        """Median µs of ``fn`` captured in a CUDA graph, each replay after an L2 flush."""
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
+        for a, b in ev:
+            self._flush()
+            a.record(); g.replay(); b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
+def ours_fn(x, ws, groups, config=None):
+    if config is not None:
+        from dsv4_mtp_hf.ops.triton.skinny_linear_triton import skinny_linear_triton
+
+        return lambda: skinny_linear_triton(x, ws, groups, config)
+    if len(ws) == 1:
+        return lambda: skinny_linear_op(x, ws[0], groups)
+    return lambda: skinny_linear_cat_op(x, ws)
+
+
+def torch_fn(x, ws, groups):
+    if groups > 1:
+        w = ws[0]
+        wv = w.view(groups, -1, w.shape[1])
+        xv = x.view(x.shape[0], groups, -1)
+        return lambda: torch.einsum("...gi,goi->...go", xv, wv).flatten(-2)
+    return lambda: [F.linear(x, w) for w in ws]
+
+
+def sweep_configs(base):
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import SkinnyConfig
+
+    cands = [SkinnyConfig(16, 128, base.split, 4, 6), SkinnyConfig(16, 512, base.split, 4, 3),
+             SkinnyConfig(32, 128, base.split, 4, 5), SkinnyConfig(64, 64, base.split, 4, 6),
+             SkinnyConfig(base.block_n, base.block_k, base.split * 2, 4, base.num_stages),
+             SkinnyConfig(base.block_n, base.block_k, base.split, 8, base.num_stages)]
+    return [c for c in cands if c != base]
+
+
+def sweep(args):
+    """Other launch configurations of our kernel per shape, M = 1 and 16 (checked against ours)."""
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import pick_config, skinny_linear_triton
+
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    timer = Timer(args.iters, args.flush)
+    out, t0 = [], time.time()
+    for name, ns, k, groups, dtype in mtp_dense_shapes(cfg):
+        ws = [(torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for n in ns]
+        esz = ws[0].element_size()
+        for m in (1, 16):
+            if time.time() - t0 > args.sweep_budget_s:
+                break
+            x = torch.randn(m, k * groups, device="cuda").to(dtype)
+            floor_us = (sum(w.numel() for w in ws) + x.numel() + m * sum(ns)) * esz / bw * 1e6
+            base = pick_config(m, ns, k, groups, dtype, sms)
+            ref = skinny_linear_triton(x, ws, groups, base).float()
+            res = [(timer.graphed_us(ours_fn(x, ws, groups, base)), base)]
+            for c in sweep_configs(base):
+                try:
+                    got = skinny_linear_triton(x, ws, groups, c).float()
+                    err = float((got - ref).norm() / ref.norm())
+                    res.append((timer.graphed_us(ours_fn(x, ws, groups, c)), c))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
+                    print(f"  {name} M={m} {c}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if err > 1e-2:
+                    print(f"  {name} M={m} {c}: WRONG (rel err {err:.1e} vs the default config)")
+            for t, c in res:
+                out.append(dict(shape=name, M=m, us=t, copy=floor_us / t, default=c == base,
+                                config=[c.block_n, c.block_k, c.split, c.num_warps, c.num_stages]))
+            best = min(res, key=lambda r: r[0])
+            print(f"{name:<22} M={m:<3} default {res[0][0]:7.2f} us ({100 * floor_us / res[0][0]:5.1f}%)  best "
+                  f"{best[0]:7.2f} us ({100 * floor_us / best[0]:5.1f}%) [{best[1].block_n}, {best[1].block_k}, "
+                  f"{best[1].split}, {best[1].num_warps}, {best[1].num_stages}]  all: "
+                  + " ".join(f"{t:.1f}" for t, _ in res), flush=True)
+        del ws
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_sweep.json"), "w") as f:
+            json.dump(dict(copy_bw=bw, sweeps=out), f, indent=2)
+
+
+def draft_step_effect(args):
+    """Compiled + CUDA-graphed V4-Flash draft steps (K=1, reference attention, as
+    ``benchmarks/draft_step.py`` builds them: random weights, 127 cached positions) with
+    ``skinny_linear.use_fused_kernels`` off (cuBLAS, the previous path) and on, same run,
+    same cache contents; the timings alternate off/on three times (median of medians)."""
+    import importlib
+    import importlib.util
+
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsv4_mtp_hf import DeepseekV4MtpForCausalLM
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    spec = importlib.util.spec_from_file_location("draft_step_bench", ROOT / "benchmarks" / "draft_step.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(int(time.time()))
+    tc = ds.target_config(False)
+    with torch.device("meta"):
+        target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
+        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))
+    target = target.to_empty(device=dev).eval()
+    mtp = mtp.to_empty(device=dev).eval()
+    for mod in (target, mtp):
+        ds.fill_random_(mod, gen)
+    for name, prm in mtp.named_parameters():  # dense weights in bf16 as a user would load them
+        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    target.model.rotary_emb.__init__(tc, device=dev)
+    mtp.bind(target)
+    saved = sl.use_fused_kernels
+    result = {}
+    try:
+        for bsz in [int(b) for b in args.batches.split(",")]:
+            paged, pids, phs, lengths = ds.prefilled_paged_cache(mtp, bsz, 127, gen)
+            paged2 = mtp.new_cache(paged=True, batch_size=bsz)
+            with torch.no_grad():
+                mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged2)  # the same 127 rows as `paged`
+            assert torch.equal(paged2.seq_lengths, lengths)
+            drafters, replays, outs = {}, {}, {}
+            for on, cache in ((False, paged), (True, paged2)):
+                sl.use_fused_kernels = on
+                t0 = time.perf_counter()
+                d = GraphedDrafter(mtp, cache, num_drafts=1, compile=True)
+                d.tokens.copy_(pids[:, -1:]); d.residual.copy_(phs[:, -1:])
+                d.capture()
+                if not d.compiled:
+                    raise RuntimeError("torch.compile fell back to the uncompiled step")
+                print(f"batch {bsz}, skinny_linear {'on' if on else 'off'}: compile + capture {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+                drafters[on] = d
+                replays[on] = (lambda d=d, c=cache: (c.seq_lengths.copy_(lengths), d(pids[:, -1:], phs[:, -1:]))[1])
+                outs[on] = replays[on]()
+            torch.cuda.synchronize()
+            (d0, l0), (d1, l1) = outs[False], outs[True]
+            rel = float((l1.float() - l0.float()).norm() / l0.float().norm())
+            med = {False: [], True: []}
+            for _ in range(3):
+                for on in (False, True):
+                    med[on].append(ds.time_ms(replays[on], args.iters))
+            off_ms, on_ms = statistics.median(med[False]), statistics.median(med[True])
+            result[bsz] = dict(off_ms=off_ms, on_ms=on_ms, rounds_off=med[False], rounds_on=med[True], logits_rel_err=rel,
+                               same_drafts=bool(torch.equal(d0, d1)))
+            print(f"draft step batch {bsz} K=1 compiled + graphed: cuBLAS {off_ms:.3f} ms, skinny_linear {on_ms:.3f} ms "
+                  f"(rounds {['%.3f' % v for v in med[False]]} / {['%.3f' % v for v in med[True]]}); logits rel err "
+                  f"{rel:.1e}, same drafts {torch.equal(d0, d1)}", flush=True)
+            del drafters, replays, outs, paged, paged2
+    finally:
+        sl.use_fused_kernels = saved
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_draft_step.json"), "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=str(ROOT / "configs" / "deepseek-v4-flash-mtp.json"))
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--rows", default="1,4,16")
+    p.add_argument("--flush", choices=("write", "read"), default="write",
+                   help="L2 flush before each replay: a 256 MiB memset (default) or a 256 MiB read")
+    p.add_argument("--sweep", action="store_true", help="only time other launch configurations of ours (M = 1, 16)")
+    p.add_argument("--sweep-budget-s", type=float, default=60.0, help="stop sweeping after this long")
+    p.add_argument("--draft-step", action="store_true",
+                   help="only the compiled + graphed V4-Flash draft step (batch 1, K=1) with the op off and on")
+    p.add_argument("--batches", default="1", help="batch sizes for --draft-step")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import pick_config
+
+    torch.manual_seed(int(time.time()))
+    if args.draft_step:
+        return draft_step_effect(args)
+    if args.sweep:
+        return sweep(args)
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    timer = Timer(args.iters, args.flush)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    rows = []
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name, ns, k, groups, dtype in mtp_dense_shapes(cfg):
+        ws = [(torch.randn(n, k, device="cuda") * k**-0.5).to(dtype) for n in ns]
+        esz = ws[0].element_size()
+        for m in rows_list:
+            x = torch.randn(m, k * groups, device="cuda").to(dtype)
+            nbytes = sum(w.numel() for w in ws) * esz + x.numel() * esz + m * sum(ns) * esz
+            floor_us = nbytes / bw * 1e6
+            base = pick_config(m, ns, k, groups, dtype, sms)
+            got = ours_fn(x, ws, groups)()
+            want = torch.cat([t.float() for t in torch_fn(x, ws, groups)()], -1) if groups == 1 else \
+                torch_fn(x.float(), [w.float() for w in ws], groups)()
+            rel = float((got.float() - want).norm() / want.norm())
+            t_ours = timer.graphed_us(ours_fn(x, ws, groups))
+            t_torch = timer.graphed_us(torch_fn(x, ws, groups))
+            row = dict(shape=name, M=m, N=list(ns), K=k, groups=groups, dtype=str(dtype).replace("torch.", ""),
+                       MB=nbytes / 1e6, floor_us=floor_us, ours_us=t_ours, torch_us=t_torch,
+                       ours_copy=floor_us / t_ours, torch_copy=floor_us / t_torch, speedup=t_torch / t_ours,
+                       rel_err=rel, config=[base.block_n, base.block_k, base.split, base.num_warps, base.num_stages])
+            rows.append(row)
+            print(f"{name:<22} M={m:<3} ours {t_ours:7.2f} us ({100 * row['ours_copy']:5.1f}%)  torch {t_torch:7.2f} us "
+                  f"({100 * row['torch_copy']:5.1f}%)  x{row['speedup']:.2f}  err {rel:.1e}  cfg {row['config']}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+    wired = ("wq_a+wkv", "wq_b", "wo_a (grouped)", "wo_b", "shared w1+w3", "shared w2")
+    sums = {}
+    for m in rows_list:
+        sel = [r for r in rows if r["M"] == m and r["shape"] in wired]
+        sums[m] = dict(ours_us=sum(r["ours_us"] for r in sel), torch_us=sum(r["torch_us"] for r in sel),
+                       floor_us=sum(r["floor_us"] for r in sel))
+    if args.out:
+        with open(os.path.join(args.out, "linear_op.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_bw=bw, iters=args.iters,
+                           rows=rows, wired_sums=sums), f, indent=2)
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; CUDA-graph replays after an L2 flush, median of {args.iters}; "
+          "config = [BLOCK_N, BLOCK_K, SPLIT, warps, stages]")
+    print(f"{'shape':<22} {'M':>3} {'MB':>7} {'floor us':>9} {'ours us':>8} {'%copy':>6} {'torch us':>9} {'%copy':>6} "
+          f"{'speedup':>7} {'rel err':>8}  config")
+    for r in rows:
+        print(f"{r['shape']:<22} {r['M']:>3} {r['MB']:>7.2f} {r['floor_us']:>9.2f} {r['ours_us']:>8.2f} "
+              f"{100 * r['ours_copy']:>6.1f} {r['torch_us']:>9.2f} {100 * r['torch_copy']:>6.1f} {r['speedup']:>7.2f} "
+              f"{r['rel_err']:>8.1e}  {r['config']}")
+    for m, s in sums.items():
+        print(f"wired projections (wq_a+wkv .. shared w2), M={m}: ours {s['ours_us']:.1f} us, torch {s['torch_us']:.1f} us, "
+              f"floor {s['floor_us']:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

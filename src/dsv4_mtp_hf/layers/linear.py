@@ -1,0 +1,36 @@
+"""Dense projections of the MTP: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear``
+on CUDA for a draft step's few rows (SPEC §8; ``ops/skinny_linear.py``).
+
+:func:`project` takes one or two bias-free ``nn.Linear`` that read the same input.  On CPU,
+for dtypes other than bf16, under autograd, for more than ``MAX_ROWS`` rows, or for modules that are not plain
+``nn.Linear`` (hooks, adapters, quantised layers) each module is called as before -- the
+reference path is unchanged.  Otherwise the projections run in one kernel launch and the
+result is split per module (each output element is the same dot product either way).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.skinny_linear import skinny_linear, skinny_linear_cat, use_skinny
+
+
+def _plain(m: nn.Module) -> bool:
+    return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether :func:`project` takes the fused CUDA path for ``x`` and ``linears``."""
+    return len(linears) <= 2 and all(_plain(m) for m in linears) and use_skinny(x, *(m.weight for m in linears))
+
+
+def project(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``linear(x)`` for each module (a tuple when several, the tensor when one)."""
+    if not skinny_ready(x, *linears):
+        out = tuple(m(x) for m in linears)
+    elif len(linears) == 1:
+        out = (skinny_linear(x, linears[0].weight),)
+    else:
+        out = tuple(skinny_linear_cat(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
+    return out[0] if len(out) == 1 else out

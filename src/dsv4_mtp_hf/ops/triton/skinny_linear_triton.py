@@ -1,0 +1,239 @@
+"""Triton kernels behind ``dsv4_mtp::skinny_linear`` / ``dsv4_mtp::skinny_linear_cat`` on CUDA.
+
+A weight-streaming GEMM for a few rows (M <= 64; the layers send M <= 16): the weight is the
+A operand, ``acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ x[BLOCK_M, BLOCK_K]^T`` ("swap AB",
+rows padded to 16 with masked loads that read nothing), so the tensor cores take the few
+rows for free and Triton's software pipeliner keeps ``num_stages - 1`` weight tiles in flight
+per program (cp.async into shared memory).  One program per ``BLOCK_N`` output columns:
+
+* ``_skinny_kernel`` grid ``(tiles, SPLIT)``.  With ``SPLIT == 1`` (N fills the GPU: every
+  MTP projection but ``wq_a``+``wkv``) each program streams its rows over the whole K and
+  writes the result -- one launch, no workspace.  With ``SPLIT > 1`` program ``(t, s)``
+  covers the K range ``[s*K_SPLIT, (s+1)*K_SPLIT)`` and writes fp32 partials to a
+  ``[SPLIT, M, N]`` workspace ...
+* ... which ``_reduce_kernel`` sums in the fixed order s = 0, 1, ... (second launch).
+* Two weights sharing the input (``skinny_linear_cat``): programs ``< TILES0`` take ``w0``,
+  the others ``w1``, writing columns ``N0 + ...`` of one output.
+* Groups (``wo_a``): program t's rows lie in group ``t*BLOCK_N // N_PER_GROUP`` (BLOCK_N
+  divides the group), which reads x columns ``[g*K, (g+1)*K)``.
+
+No atomics, fixed grids, no host sync: CUDA-graph safe and deterministic.  The launch
+configuration is a pure function of the shapes (:func:`pick_config`); the K-split decides
+the summation order, block sizes, warps and stages do not change which products are summed
+in which order along K (the MMA chain walks K in 16-wide steps either way).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..skinny_linear import (
+    DTYPES,
+    skinny_linear_cat_op,
+    skinny_linear_cat_reference,
+    skinny_linear_op,
+    skinny_linear_reference,
+)
+
+MAX_KERNEL_ROWS = 64  # beyond this the reference (cuBLAS) runs: a GEMM, not a weight stream
+REDUCE_BLOCK = 1024
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU debugging / tests: bf16 dot upcast to fp32
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_tile, col0, x_col0, k_lo,
+          K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+          FP32: tl.constexpr):
+    rn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < Nw
+    mmask = rm < M
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (x_col0 + k_lo + rk)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
+        else:
+            kmask = (k_lo + k + rk) < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
+        if FP32:  # fp32 data, or the CPU interpreter (its dot misreads bf16 operands)
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + (col0 + rn)[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, M, N0, N1, K, stride_xm, stride_w0, stride_w1, stride_om,
+                   stride_os, TILES0, N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP32: tl.constexpr, TWO: tl.constexpr,
+                   GROUPED: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    out_ptr += pid_k.to(tl.int64) * stride_os
+    if TWO:
+        if pid < TILES0:
+            _tile(x_ptr, w0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_om, pid, 0, 0, k_lo, K_SPLIT,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+        else:
+            _tile(x_ptr, w1_ptr, out_ptr, M, N1, K, stride_xm, stride_w1, stride_om, pid - TILES0, N0, 0, k_lo,
+                  K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+    else:
+        x_col0 = 0
+        if GROUPED:
+            x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
+        _tile(x_ptr, w0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_om, pid, 0, x_col0, k_lo, K_SPLIT,
+              BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+
+
+@triton.jit
+def _reduce_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # fixed order: deterministic
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, dtype: torch.dtype, sms: int = 132) -> SkinnyConfig | None:
+    """The launch configuration for ``m`` rows, weights of ``ns`` rows and ``k`` columns (None:
+    the kernel does not take the shape).  Aim: about two programs per SM, each streaming a
+    weight tile of ~8-16 KB per pipeline stage; split K only when N alone cannot fill the GPU."""
+    fp32 = dtype == torch.float32
+    n_per_group = ns[0] // groups if groups > 1 else 0
+
+    def fits(bn):  # a program's rows stay inside one group
+        return groups == 1 or n_per_group % bn == 0
+
+    def tiles(bn):
+        return sum(triton.cdiv(n, bn) for n in ns)
+
+    if not fits(16):
+        return None
+    target = 2 * sms
+    bn = 16
+    for cand in (64, 32):
+        if fits(cand) and tiles(cand) >= 0.95 * target:
+            bn = cand
+            break
+    # weight tile per stage 8/16/16 KB; with the [16, BLOCK_K] x tile, 80/72/80 KB of shared memory
+    # for the pipeline: two or three programs per SM, 32-48 KB of weight in flight each
+    bk, stages = {16: (256, 5), 32: (256, 4), 64: (128, 4)}[bn]
+    if fp32:
+        bk, stages = bk // 2, 3
+    bk = max(16, min(bk, triton.next_power_of_2(k)))
+    split = 1
+    while tiles(bn) * split < 0.95 * target and k // (2 * split) >= 2 * bk and split < 64:
+        split *= 2
+    if split > 1:
+        k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+        split = triton.cdiv(k, k_split)
+    return SkinnyConfig(bn, bk, split, num_warps=4, num_stages=stages)
+
+
+def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: int = 1,
+                         config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
+                         workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, G*K]`` (unit stride along K) times ``weights`` (each ``[N_i, K]``, unit stride along
+    K; at most two, and one when ``groups > 1``) -> ``[M, sum N_i]`` in x's dtype.  ``out`` (contiguous
+    ``[M, N]``) and the split-K ``workspace`` (fp32, at least ``split*M*N`` elements) may be given
+    (tests poison them to check every element is written)."""
+    m = x.shape[0]
+    k = weights[0].shape[1]
+    ns = tuple(w.shape[0] for w in weights)
+    n = sum(ns)
+    if config is None:
+        sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+            if x.is_cuda else 132
+        config = pick_config(m, ns, k, groups, x.dtype, sms)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    bn, bk, split = config.block_n, config.block_k, config.split
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    even = all(v % bn == 0 for v in ns) and k % k_split == 0 and k_split % bk == 0
+    if split == 1:
+        target = out
+    elif workspace is not None:
+        target = workspace.view(-1)[: split * m * n].view(split, m, n)
+    else:
+        target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    w0 = weights[0]
+    w1 = weights[1] if len(weights) > 1 else w0
+    tiles0 = triton.cdiv(ns[0], bn)
+    grid = (sum(triton.cdiv(v, bn) for v in ns), split)
+    _skinny_kernel[grid](
+        x, w0, w1, target, m, ns[0], ns[1] if len(ns) > 1 else 0, k, x.stride(0), w0.stride(0), w1.stride(0), n,
+        m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32 or _INTERPRET,
+        TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
+                                                             num_warps=4)
+    return out
+
+
+def kernel_takes(x: torch.Tensor, weights: list[torch.Tensor], groups: int = 1) -> bool:
+    """Shapes, dtypes and layouts the kernel handles (the rest runs the reference)."""
+    if x.shape[0] > MAX_KERNEL_ROWS or x.dtype not in DTYPES or len(weights) > 2 or (groups > 1 and len(weights) > 1):
+        return False
+    if any(w.stride(1) != 1 and w.shape[1] > 1 for w in weights):
+        return False
+    k = weights[0].shape[1]
+    return pick_config(x.shape[0], tuple(w.shape[0] for w in weights), k, groups, x.dtype) is not None
+
+
+@skinny_linear_op.register_kernel("cuda")
+def _skinny_linear_cuda(x, weight, groups=1):
+    from ..skinny_linear import check_skinny_inputs
+
+    check_skinny_inputs(x, [weight], groups)
+    if not kernel_takes(x, [weight], groups):
+        return skinny_linear_reference(x, weight, groups)
+    with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensor's
+        return skinny_linear_triton(x if x.stride(-1) == 1 else x.contiguous(), [weight], groups)
+
+
+@skinny_linear_cat_op.register_kernel("cuda")
+def _skinny_linear_cat_cuda(x, weights):
+    from ..skinny_linear import check_skinny_inputs
+
+    check_skinny_inputs(x, weights)
+    if not kernel_takes(x, list(weights)):
+        return skinny_linear_cat_reference(x, weights)
+    with torch.cuda.device(x.device):
+        return skinny_linear_triton(x if x.stride(-1) == 1 else x.contiguous(), list(weights))

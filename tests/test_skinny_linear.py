@@ -1,0 +1,319 @@
+"""``dsv4_mtp::skinny_linear(_cat)``: the reference is F.linear, the ops check their inputs, the
+layers keep the CPU path unchanged, and the Triton kernel (CPU interpreter here, the GPU with
+``-m gpu``) matches the reference on the MTP's dense shapes for 1-16 rows."""
+
+import importlib
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig
+from dsv4_mtp_hf.layers.attention import GroupedOutputProjection
+from dsv4_mtp_hf.layers.linear import project, skinny_ready
+from dsv4_mtp_hf.layers.moe import SharedExpert
+from dsv4_mtp_hf.ops.skinny_linear import (
+    check_skinny_inputs,
+    mtp_dense_shapes,
+    skinny_linear,
+    skinny_linear_cat,
+    skinny_linear_cat_op,
+    skinny_linear_cat_reference,
+    skinny_linear_op,
+    skinny_linear_reference,
+    use_skinny,
+)
+
+sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")  # the module (the package re-exports the function)
+ROOT = Path(__file__).resolve().parents[1]
+FLASH = ROOT / "configs" / "deepseek-v4-flash-mtp.json"
+
+
+def gen():
+    return torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+
+
+def rand(*shape, g, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- CPU: reference and op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reference_is_f_linear_and_the_cpu_op_is_the_reference(dtype):
+    g = gen()
+    x, w = rand(5, 48, g=g, dtype=dtype), rand(40, 48, g=g, dtype=dtype)
+    assert torch.equal(skinny_linear_reference(x, w), F.linear(x, w))
+    assert torch.equal(skinny_linear_op(x, w), F.linear(x, w))
+    assert torch.equal(skinny_linear(x.view(5, 1, 48), w), F.linear(x, w).view(5, 1, 40))
+    w2 = rand(24, 48, g=g, dtype=dtype)
+    want = F.linear(x, torch.cat([w, w2]))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(skinny_linear_cat_reference(x, [w, w2]), want, **tol)
+    assert torch.equal(skinny_linear_cat_op(x, [w, w2]), skinny_linear_cat_reference(x, [w, w2]))
+    assert torch.equal(skinny_linear_cat(x, [w, w2]), skinny_linear_cat_reference(x, [w, w2]))
+
+
+def test_grouped_reference_is_a_linear_per_group():
+    g = gen()
+    groups, k, ng = 4, 32, 8
+    x, w = rand(3, groups * k, g=g), rand(groups * ng, k, g=g)
+    got = skinny_linear_reference(x, w, groups)
+    want = torch.cat([F.linear(x[:, i * k:(i + 1) * k], w[i * ng:(i + 1) * ng]) for i in range(groups)], dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(skinny_linear_op(x, w, groups), got)
+
+
+@pytest.mark.parametrize("x_shape,w_shapes,groups,dtypes,err", [
+    ((8,), [(4, 8)], 1, (torch.float32, torch.float32), ValueError),           # x not 2-D
+    ((2, 3, 8), [(4, 8)], 1, (torch.float32, torch.float32), ValueError),      # x not 2-D
+    ((2, 8), [(8,)], 1, (torch.float32, torch.float32), ValueError),           # weight not 2-D
+    ((2, 8), [(4, 6)], 1, (torch.float32, torch.float32), ValueError),         # K mismatch
+    ((2, 8), [(4, 8), (4, 6)], 1, (torch.float32, torch.float32), ValueError), # cat weights' K differ
+    ((2, 16), [(6, 8)], 4, (torch.float32, torch.float32), ValueError),        # groups do not divide N
+    ((2, 16), [(8, 8)], 4, (torch.float32, torch.float32), ValueError),        # G*K != x's columns
+    ((2, 8), [(4, 8)], 0, (torch.float32, torch.float32), ValueError),         # groups < 1
+    ((2, 8), [(4, 8)], 1, (torch.bfloat16, torch.float32), TypeError),         # dtype mismatch
+    ((2, 8), [(4, 8)], 1, (torch.int32, torch.int32), TypeError),              # not floating
+    ((2, 8), [(4, 8)], 1, (torch.float64, torch.float64), TypeError),          # unsupported dtype
+])
+def test_bad_inputs_raise(x_shape, w_shapes, groups, dtypes, err):
+    x = torch.ones(x_shape, dtype=dtypes[0])
+    ws = [torch.ones(s, dtype=dtypes[1]) for s in w_shapes]
+    with pytest.raises(err):
+        check_skinny_inputs(x, ws, groups)
+    with pytest.raises(err):
+        if len(ws) == 1:
+            skinny_linear_op(x, ws[0], groups)
+        else:
+            skinny_linear_cat_op(x, ws)
+    with pytest.raises(ValueError):
+        check_skinny_inputs(torch.ones(2, 8), [])
+
+
+def test_fake_impl_shapes_under_torch_compile_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w, w2 = torch.empty(3, 64), torch.empty(16, 64), torch.empty(8, 64)
+        assert skinny_linear_op(x, w).shape == (3, 16)
+        assert skinny_linear_op(x, torch.empty(32, 16), 4).shape == (3, 32)
+        assert skinny_linear_cat_op(x, [w, w2]).shape == (3, 24)
+        with pytest.raises(ValueError):
+            skinny_linear_op(x, torch.empty(16, 32))
+
+
+def test_ops_trace_through_torch_compile():
+    g = gen()
+    x, w, w2, wg = rand(3, 32, g=g), rand(16, 32, g=g), rand(8, 32, g=g), rand(16, 8, g=g)
+
+    def f(t):
+        a, b = skinny_linear_cat(t.view(3, 1, 32), [w, w2]).split([16, 8], -1)
+        return a.relu() + skinny_linear(t, wg, 4).view(3, 1, 16), b
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # the fake impls, functionalised
+    for got, want in zip(compiled(x), f(x)):
+        assert torch.equal(got, want)
+
+
+def test_opcheck():
+    g = gen()
+    x, w, w2 = rand(3, 32, g=g), rand(16, 32, g=g), rand(8, 32, g=g)
+    torch.library.opcheck(skinny_linear_op, (x, w, 1))
+    torch.library.opcheck(skinny_linear_op, (x, rand(16, 8, g=g), 4))
+    torch.library.opcheck(skinny_linear_cat_op, (x, [w, w2]))
+
+
+def test_mtp_dense_shapes_at_v4_flash():
+    c = DeepseekV4MtpConfig.from_json_file(str(FLASH))
+    shapes = {name: (ns, k, groups) for name, ns, k, groups, _ in mtp_dense_shapes(c)}
+    assert shapes["e_proj, h_proj (each)"] == ((4096,), 4096, 1)
+    assert shapes["wq_a+wkv"] == ((1024, 512), 4096, 1)
+    assert shapes["wq_b"] == ((32768,), 1024, 1)
+    assert shapes["wo_a (grouped)"] == ((8192,), 4096, 8)
+    assert shapes["wo_b"] == ((4096,), 8192, 1)
+    assert shapes["shared w1+w3"] == ((2048, 2048), 4096, 1)
+    assert shapes["shared w2"] == ((4096,), 2048, 1)
+
+
+# ----------------------------------------------------------------------------- CPU: the layers are unchanged
+def test_cpu_layers_take_the_reference_path_bit_for_bit():
+    g = gen()
+    lin, lin2 = nn.Linear(32, 16, bias=False), nn.Linear(32, 8, bias=False)
+    x = rand(2, 1, 32, g=g)
+    assert not use_skinny(x, lin.weight) and not skinny_ready(x, lin, lin2)
+    assert torch.equal(project(x, lin), lin(x))
+    a, b = project(x, lin, lin2)
+    assert torch.equal(a, lin(x)) and torch.equal(b, lin2(x))
+    c = DeepseekV4MtpConfig.from_json_file(str(ROOT / "configs" / "tiny-mtp.json"))
+    se = SharedExpert(c)
+    for p in se.parameters():
+        nn.init.normal_(p, std=0.5)
+    h = rand(3, 1, c.hidden_size, g=g)
+    gate = se.gate_proj(h).float().clamp(max=se.limit)
+    up = se.up_proj(h).float().clamp(-se.limit, se.limit)
+    assert torch.equal(se(h), se.down_proj((F.silu(gate) * up).to(h.dtype)))
+    gp = GroupedOutputProjection(16, 8, 4)
+    nn.init.normal_(gp.weight)
+    o = rand(2, 1, 4, 16, g=g)
+    want = torch.einsum("...gi,goi->...go", o, gp.weight.view(4, -1, 16)).flatten(-2)
+    assert torch.equal(gp(o), want)
+
+
+def test_use_skinny_declines_what_the_kernel_should_not_take():
+    w = torch.ones(4, 8)
+    assert not use_skinny(torch.ones(2, 8), w)  # CPU
+    saved = sl.use_fused_kernels
+    try:
+        sl.use_fused_kernels = False
+        assert not use_skinny(torch.ones(2, 8), w)
+    finally:
+        sl.use_fused_kernels = saved
+
+
+# ----------------------------------------------------------------------------- the kernel under the CPU interpreter
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import random, torch, torch.nn.functional as F
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import SkinnyConfig, pick_config, skinny_linear_triton
+    from dsv4_mtp_hf.ops.skinny_linear import skinny_linear_reference
+    g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    cases = [  # (M, weight rows, K, groups, dtype, config)
+        *[(m, (64,), 256, 1, torch.bfloat16, None) for m in range(1, 17)],
+        (3, (48, 40), 200, 1, torch.bfloat16, SkinnyConfig(16, 64, 2)),     # cat, ragged N and K, split K
+        (16, (96, 32), 256, 1, torch.bfloat16, SkinnyConfig(32, 64, 1)),    # cat, even
+        (7, (64,), 128, 2, torch.bfloat16, SkinnyConfig(16, 32, 1)),        # grouped
+        (5, (128,), 64, 4, torch.bfloat16, SkinnyConfig(32, 32, 2)),        # grouped, split K
+        (2, (24,), 512, 1, torch.float32, None),                            # the hc fn shape's kind
+        (9, (40,), 300, 1, torch.float32, SkinnyConfig(16, 64, 3)),
+        (1, (33,), 100, 1, torch.float16, SkinnyConfig(16, 32, 3)),
+        (33, (32,), 64, 1, torch.bfloat16, None),                           # 64-row block
+    ]
+    worst = 0.0
+    for m, ns, k, groups, dtype, cfg in cases:
+        ws = [(torch.randn(n, k, generator=g) * k ** -0.5).to(dtype) for n in ns]
+        x = torch.randn(m, k * groups, generator=g).to(dtype)
+        cfg = cfg or pick_config(m, ns, k, groups, dtype)
+        out = torch.full((m, sum(ns)), float("nan"), dtype=dtype)
+        ws_buf = torch.full((cfg.split * m * sum(ns),), float("nan"))
+        got = skinny_linear_triton(x, ws, groups, cfg, out=out, workspace=ws_buf)
+        assert got.data_ptr() == out.data_ptr()
+        want = (skinny_linear_reference(x.float(), ws[0].float(), groups) if groups > 1
+                else F.linear(x.float(), torch.cat(ws).float()))
+        assert torch.isfinite(got).all(), (m, ns, k, groups, dtype, cfg)
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (m, ns, k, groups, dtype, cfg, err)
+        worst = max(worst, err)
+    print("OK", len(cases), worst)
+""")
+
+
+def _interpreter_python():
+    """A Python with Triton for the CPU interpreter: this one, or the scratch venv /tmp/tv."""
+    if importlib.util.find_spec("triton") is not None:
+        return sys.executable
+    cand = "/tmp/tv/bin/python"
+    return cand if os.path.exists(cand) else None
+
+
+def test_triton_kernel_under_the_cpu_interpreter():
+    py = _interpreter_python()
+    if py is None:
+        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([py, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
+        pytest.skip("Triton not importable for the interpreter")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("OK"), res.stdout
+
+
+# ----------------------------------------------------------------------------- GPU
+FLASH_SHAPES = mtp_dense_shapes(DeepseekV4MtpConfig.from_json_file(str(FLASH)))
+
+
+def _weights(ns, k, dtype, g):
+    return [rand(n, k, g=g, dtype=dtype, device="cuda", scale=k**-0.5) for n in ns]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,ns,k,groups,dtype", FLASH_SHAPES, ids=[s[0] for s in FLASH_SHAPES])
+def test_kernel_matches_reference_on_mtp_shapes(name, ns, k, groups, dtype):
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import pick_config, skinny_linear_triton
+
+    g = gen()
+    ws = _weights(ns, k, dtype, g)
+    wcat = torch.cat(ws).float()
+    n = sum(ns)
+    for m in range(1, 17):
+        x = rand(m, k * groups, g=g, dtype=dtype, device="cuda")
+        cfg = pick_config(m, ns, k, groups, dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        ws_buf = torch.full((cfg.split * m * n,), float("nan"), device="cuda")
+        got = skinny_linear_triton(x, ws, groups, cfg, out=out, workspace=ws_buf)
+        want = skinny_linear_reference(x.float(), wcat, groups)
+        assert torch.isfinite(got).all(), (name, m)
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < 1e-2, (name, m, rel)
+        assert float((got.float() - want).abs().max() / want.abs().max()) < 1e-2, (name, m)
+        # through the dispatcher (the registered CUDA kernel), deterministic
+        op = skinny_linear_op(x, ws[0], groups) if len(ws) == 1 else skinny_linear_cat_op(x, ws)
+        assert torch.equal(op, got), (name, m)
+        again = skinny_linear_op(x, ws[0], groups) if len(ws) == 1 else skinny_linear_cat_op(x, ws)
+        assert torch.equal(op, again)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_and_torch_compile():
+    g = gen()
+    ws = _weights((1024, 512), 4096, torch.bfloat16, g)
+    x = rand(4, 4096, g=g, dtype=torch.bfloat16, device="cuda")
+
+    def f(t):
+        return skinny_linear_cat(t, ws) * 2
+
+    eager = f(x)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), eager)
+    static = x.clone()
+    f(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(static)
+    x2 = rand(4, 4096, g=g, dtype=torch.bfloat16, device="cuda")
+    static.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, f(x2))
+
+
+@pytest.mark.gpu
+def test_layers_on_cuda_use_the_op_and_agree_with_f_linear():
+    g = gen()
+    c = DeepseekV4MtpConfig.from_json_file(str(ROOT / "configs" / "tiny-mtp.json"))
+    se = SharedExpert(c).to("cuda", torch.bfloat16)
+    gp = GroupedOutputProjection(64, 32, 4).to("cuda", torch.bfloat16)
+    for p in list(se.parameters()) + list(gp.parameters()):
+        nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    with torch.no_grad():
+        for rows in (1, 4, 16, 17):
+            h = rand(rows, 1, c.hidden_size, g=g, dtype=torch.bfloat16, device="cuda")
+            o = rand(rows, 1, 4, 64, g=g, dtype=torch.bfloat16, device="cuda")
+            assert skinny_ready(h, se.gate_proj, se.up_proj) == (rows <= sl.MAX_ROWS)
+            fast_se, fast_gp = se(h), gp(o)
+            saved = sl.use_fused_kernels
+            sl.use_fused_kernels = False
+            try:
+                ref_se, ref_gp = se(h), gp(o)
+            finally:
+                sl.use_fused_kernels = saved
+            for got, want in ((fast_se, ref_se), (fast_gp, ref_gp)):
+                rel = float((got.float() - want.float()).norm() / want.float().norm())
+                assert rel < 1e-2, (rows, rel)
