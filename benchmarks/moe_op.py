@@ -288,13 +288,18 @@ def _cfg(bn, bk, warps, stages, bn2=None, bk2=None, warps2=None, stages2=None):
                 down=dict(BLOCK_N=bn2 or bn, BLOCK_K=bk2 or bk, num_warps=warps2 or warps, num_stages=stages2 or stages))
 
 
+def _gv(bn, bn2, bk=512, m=1, warps=4, pf=1):
+    return dict(gemv_min_tokens=1, gemv_max_tokens=64, gemv=dict(gate_up=dict(BLOCK_N=bn, BLOCK_K=bk, M=m, PF=pf, num_warps=warps),
+                                              down=dict(BLOCK_N=bn2, BLOCK_K=bk, M=m, PF=pf, num_warps=warps)))
+
+
 SWEEP = {
     # timing breakdown of the default configuration: one kernel alone (result not checked)
     "only_gu": dict(only="gate_up"),
     "only_dn": dict(only="down"),
     # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
-    "dot": dict(mma_max_tokens=0),
+    "dot": dict(mma_max_tokens=0, gemv_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),
@@ -322,6 +327,27 @@ SWEEP = {
     "n128w4": _cfg(128, 256, 4, 3),
     "n64s4": _cfg(64, 256, 4, 4),
     "noasm": dict(use_asm=False),
+    # FMA GEMV kernels (``fp4_moe_gemv``: CUDA cores, no shared memory) for gate/up and down;
+    # gvB = gate/up BLOCK_N B (down: see _gv); m2 = two tokens of an expert per pass; pf2 = two
+    # K steps loaded ahead (default one)
+    "gv16": _gv(16, 32),
+    "gv8": _gv(8, 16),
+    "gv32": _gv(32, 32),
+    "gv8w2": _gv(8, 16, warps=2),
+    "gv16m2": _gv(16, 32, m=2),
+    "gv8m2": _gv(8, 16, m=2),
+    "gv16pf2": _gv(16, 32, pf=2),
+    "gv8pf2": _gv(8, 16, pf=2),
+    "gv32pf2": _gv(32, 32, pf=2),
+    # untimed (device time ran out): one K step = the whole row (V4-Flash: 2 KB of w1/w3, 1 KB
+    # of w2), so each row is read in one burst by the 4 warps (DRAM page locality)
+    "gvrow": dict(gemv_min_tokens=1, gemv_max_tokens=64,
+                  gemv=dict(gate_up=dict(BLOCK_N=4, BLOCK_K=4096, M=1, PF=1, num_warps=4),
+                            down=dict(BLOCK_N=8, BLOCK_K=2048, M=1, PF=1, num_warps=4))),
+    "gv16_gu": dict(_gv(16, 32), only="gate_up"),
+    "gv16_dn": dict(_gv(16, 32), only="down"),
+    "gv8_gu": dict(_gv(8, 16), only="gate_up"),
+    "gv8_dn": dict(_gv(8, 16), only="down"),
 }
 
 

@@ -173,6 +173,48 @@ def test_decode_ptx_bits_exact():
     assert "0x7E807E80" in decode_ptx.DECODE_ASM  # bf16x2 2**126
 
 
+def test_decode8_f32_ptx_bits_exact():
+    """The GEMV kernels' PTX decode (one int32 word -> 8 fp32): $0-$3 are the low nibbles of
+    bytes 0-3 and $4-$7 the high nibbles, each the fp32 bits of e2m1 x 2**-126 (RAW)."""
+    from dsv4_mtp_hf.ops.triton import decode_ptx
+
+    def want_bits(code):
+        v = torch.tensor(fp4.E2M1_VALUES[code & 7] * (-1.0 if code & 8 else 1.0), dtype=torch.float64)
+        return int((v * 2.0**-126).to(torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+    asm = decode_ptx.DECODE8_F32_RAW
+    body = asm[asm.index("prmt"):asm.rindex("}")]
+    g = torch.Generator().manual_seed(1)
+    words = [b | (b << 8) | (b << 16) | (b << 24) for b in range(256)]
+    words += torch.randint(0, 2**32, (256,), generator=g, dtype=torch.int64).tolist()
+    for w in words:
+        regs = {"$8": w}
+        for line in filter(str.strip, body.splitlines()):
+            op, rest = line.strip().rstrip(";").split(None, 1)
+            a = [x.strip() for x in rest.split(",")]
+            v = [regs[t] if t in regs else int(t, 0) for t in a[1:]]
+            if op == "prmt.b32":
+                src, out = v[0] | (v[1] << 32), 0
+                for i in range(4):
+                    out |= ((src >> (8 * ((v[2] >> (4 * i)) & 7))) & 255) << (8 * i)
+            elif op == "and.b32":
+                out = v[0] & v[1]
+            elif op == "mul.lo.u32":
+                out = (v[0] * v[1]) & 0xFFFFFFFF
+            elif op == "shl.b32":
+                out = (v[0] << v[1]) & 0xFFFFFFFF
+            else:
+                raise AssertionError(f"unexpected PTX op {op}")
+            regs[a[0]] = out
+        b = [(w >> (8 * i)) & 255 for i in range(4)]
+        assert [regs[f"${i}"] for i in range(4)] == [want_bits(x & 15) for x in b], hex(w)
+        assert [regs[f"${i}"] for i in range(4, 8)] == [want_bits(x >> 4) for x in b], hex(w)
+    # the non-fold variant runs the same decode, then x 2**126 in bf16 (as DECODE_ASM)
+    core = decode_ptx.DECODE_BODY.replace("$4", "$8")
+    assert core in decode_ptx.DECODE8_F32 and core in decode_ptx.DECODE8_F32_RAW
+    assert "fma.rn.bf16x2 r0, r0, c126, nz;" in decode_ptx.DECODE8_F32
+
+
 def test_package_imports_without_triton_on_cpu():
     import dsv4_mtp_hf.ops as ops
 
@@ -226,6 +268,37 @@ def test_mma_path_many_tokens_on_one_expert(fmt, mma):
     out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(mma_max_tokens=64, mma=mma)))
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
+    assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
+
+
+GEMV_CFGS = {
+    "m1": dict(gemv_min_tokens=1, gemv_max_tokens=64),
+    "m2pf2": dict(gemv_min_tokens=1, gemv_max_tokens=64,
+                  gemv=dict(gate_up=dict(BLOCK_N=8, BLOCK_K=512, M=2, PF=2, num_warps=4),
+                            down=dict(BLOCK_N=16, BLOCK_K=512, M=2, PF=2, num_warps=4))),
+    "n32pf2": dict(gemv_min_tokens=1, gemv_max_tokens=64,
+                   gemv=dict(gate_up=dict(BLOCK_N=32, BLOCK_K=512, M=1, PF=2, num_warps=4),
+                             down=dict(BLOCK_N=32, BLOCK_K=512, M=1, PF=2, num_warps=4))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape,T,k", [("flash", 1, 6), ("flash", 16, 6), ("pro", 3, 8)])
+@pytest.mark.parametrize("cfg", sorted(GEMV_CFGS))
+def test_gemv_path_matches_f64(fmt, shape, T, k, cfg):
+    """The FMA GEMV kernels (``fp4_moe_gemv``) against float64, deterministic run to run."""
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES[shape]
+    W = make_experts(E, D, I, fmt, device="cuda", seed=T * 10 + k)
+    x, ids, rw = make_inputs(T, E, k, D, device="cuda", seed=T + k)
+    out = torch.full_like(x, float("nan"))
+    out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=GEMV_CFGS[cfg]))
+    again = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=GEMV_CFGS[cfg])
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, again)
     assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
 
 

@@ -58,3 +58,36 @@ mov.b32 $2, r2;
 mov.b32 $3, r3;
 }
 """
+
+# One int32 word of four packed bytes -> eight fp32 values ($0-$3: low nibbles of bytes
+# 0-3, $4-$7: high nibbles), for the FMA GEMV kernels (``fp4_moe_gemv``).  Same decode as
+# above, then bf16 -> fp32 by position (``<< 16`` for the low half, ``& 0xFFFF0000`` for the
+# high half).  ``DECODE8_F32_RAW`` leaves the 2**-126 for the scales ("fold").
+_TO_F32 = """
+shl.b32 $0, r0, 16;
+and.b32 $1, r0, 0xFFFF0000;
+shl.b32 $2, r1, 16;
+and.b32 $3, r1, 0xFFFF0000;
+shl.b32 $4, r2, 16;
+and.b32 $5, r2, 0xFFFF0000;
+shl.b32 $6, r3, 16;
+and.b32 $7, r3, 0xFFFF0000;
+}
+"""
+
+DECODE8_F32_RAW = """
+{
+.reg .b32 t0, t1, a, r0, r1, r2, r3;
+""" + DECODE_BODY.replace("$4", "$8") + _TO_F32
+
+DECODE8_F32 = """
+{
+.reg .b32 t0, t1, a, r0, r1, r2, r3, c126, nz;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+""" + DECODE_BODY.replace("$4", "$8") + """
+fma.rn.bf16x2 r0, r0, c126, nz;
+fma.rn.bf16x2 r1, r1, c126, nz;
+fma.rn.bf16x2 r2, r2, c126, nz;
+fma.rn.bf16x2 r3, r3, c126, nz;
+""" + _TO_F32

@@ -17,6 +17,8 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
+``CONFIG["gemv_min_tokens"] .. ["gemv_max_tokens"]`` (default: T=2 only, where it measured
+9-10% faster) routes steps 1-2 to the FMA GEMV kernels of ``fp4_moe_gemv``.
 
 The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
 against the even / odd columns of the activations, so no nibble interleave is needed.
@@ -252,6 +254,15 @@ CONFIG = {
     # configuration (``fp4_moe_mma.MMA_CONFIG``).
     "mma_max_tokens": 0,
     "mma": dict(gate_up_warps=4, down_warps=4),
+    # From "gemv_min_tokens" to "gemv_max_tokens" tokens the gate/up and down kernels are
+    # the FMA GEMV kernels of ``fp4_moe_gemv`` (CUDA cores, no shared memory); "gemv" overrides
+    # their launch configuration (``fp4_moe_gemv.GEMV_CONFIG`` keys).  Measured on the H200
+    # (BENCHMARKS.md, 2026-11-30, two runs): 9-10% faster than these tl.dot kernels at T=2
+    # (90.6 / 90.3 vs 99.6 / 99.9 us); at T=4 +3% / -2% (a wash); at T=1 equal with BLOCK_N=32
+    # and 17-22% slower with 16 or 8; 19-38% slower from T=8.  So T=2 only.
+    "gemv_min_tokens": 2,
+    "gemv_max_tokens": 2,
+    "gemv": None,
 }
 
 
@@ -293,6 +304,22 @@ def _fp4_moe_triton(
     rw = topk_weights.to(torch.float32).contiguous().view(-1)
     act = torch.empty(p, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.float32, device=x.device)
+    is_nv = f.name == "nvfp4"
+    fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
+    only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
+    if "gate_up" not in cfg and cfg.get("gemv_min_tokens", 1) <= t <= cfg.get("gemv_max_tokens", 0):
+        from . import fp4_moe_gemv
+
+        gcfg = {**fp4_moe_gemv.GEMV_CONFIG, **(cfg.get("gemv") or {})}
+        if fp4_moe_gemv.gemv_supports(d, inter, gcfg):
+            fp4_moe_gemv.launch_gemv(
+                x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
+                group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), fold=fold,
+                cfg=gcfg, only=only)
+            if only is not None:
+                return out
+            _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
+            return out
     pb = max(16, triton.next_power_of_2(p))
     bm = _block_m(p, w13.shape[0])
     nchunk = triton.cdiv(p, bm)  # an expert serves at most P pairs (T unless ids repeat in a row)
@@ -302,8 +329,6 @@ def _fp4_moe_triton(
         regime = (cfg["small"] if p <= cfg["small_max_pairs"]
                   else cfg["tall"] if bm >= cfg["tall_min_block_m"] else cfg["large"])
         gu, dn = regime["gate_up"], regime["down"]
-    is_nv = f.name == "nvfp4"
-    fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     # The CPU interpreter (TRITON_INTERPRET=1, used for CPU debugging) mishandles bf16
     # MMAs, so it multiplies in fp32; on the GPU the MMA operands are bf16.
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -313,7 +338,6 @@ def _fp4_moe_triton(
             raise ValueError(f"BLOCK_K={c['BLOCK_K']} must be a multiple of the group size {f.group_size}.")
     if d % gu["BLOCK_K"] or inter % dn["BLOCK_K"] or inter % gu["BLOCK_N"] or d % dn["BLOCK_N"]:
         raise ValueError(f"D={d} / I={inter} must be multiples of the kernel blocks {gu} / {dn}.")
-    only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
     if only in (None, "gate_up"):
         _gate_up_kernel[(p, triton.cdiv(inter, gu["BLOCK_N"]))](
             x_c, ids, rw, w13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
