@@ -3,16 +3,23 @@
 transformers' V4 cache keeps one compressor state per layer for the whole batch, and its
 compression windows count cache positions, so a left-padded batch compresses different
 windows than the same sequence alone: batched V4 decoding there is not what per-sequence
-decoding computes.  Here every sequence keeps its own :class:`RollbackDeepseekV4Cache`
-and its own positions; the tokens of all sequences are flattened into one row so the
-token-wise work (hyper-connections, norms, the MoE, the head) runs once for the whole
-batch, and only the attention (with its compressor and indexer state) runs per sequence,
-through the target's own ``self_attn`` modules.  The layer arithmetic is transformers'
-``DeepseekV4DecoderLayer.forward`` spelled out, so each sequence computes what it would
-compute alone.
+decoding computes.  Here every sequence keeps its own state and its own positions; the
+tokens of all sequences are flattened into one row so the token-wise work
+(hyper-connections, norms, the MoE, the head) runs once for the whole batch.  The
+attention (with its compressor and indexer state) runs either
+
+* ``"batched"`` (default): once per layer for all sequences, their state held as padded
+  tensors with per-sequence lengths (:mod:`.batched_attention`), with the target's
+  ``self_attn`` weights; or
+* ``"per_sequence"``: once per sequence through the target's own ``self_attn`` with one
+  :class:`RollbackDeepseekV4Cache` each -- transformers' code, the oracle the batched path
+  is tested against.
+
+The layer arithmetic is transformers' ``DeepseekV4DecoderLayer.forward`` spelled out, so
+each sequence computes what it would compute alone.
 
 Works with targets spread over several GPUs by accelerate's ``device_map``: activations
-move to each layer's device, caches live where their layer lives.
+move to each layer's device, caches (and batched state) live where their layer lives.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import inspect
 
 import torch
 
+from .batched_attention import BatchedSequence, BatchedTargetState
 from .target_cache import RollbackDeepseekV4Cache
 
 
@@ -28,16 +36,31 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+_ATTENTION = ("batched", "per_sequence")
+
+
 class RaggedTargetForward:
     """Runs ``target`` (a ``DeepseekV4ForCausalLM``) on ``chunks[i]`` appended to sequence
     ``i``'s cache.  Returns the logits of the requested rows and the pre-``hc_head``
-    residual of every row (what the MTP reads)."""
+    residual of every row (what the MTP reads).
 
-    def __init__(self, target):
+    ``attention="batched"``: one attention pass per layer for all sequences, with their
+    state in one :class:`~.batched_attention.BatchedTargetState` (the caches are its
+    :class:`~.batched_attention.BatchedSequence` handles); a forward whose chunks are longer
+    than ``max_chunk`` tokens runs in pieces of ``max_chunk`` (bounded attention memory).
+    ``attention="per_sequence"``: the attention runs once per sequence through the target's
+    own ``self_attn`` with a :class:`RollbackDeepseekV4Cache` each (the exactness oracle)."""
+
+    def __init__(self, target, attention: str = "batched", max_chunk: int = 256):
         from transformers.masking_utils import create_sliding_window_causal_mask
 
+        if attention not in _ATTENTION:
+            raise ValueError(f"target attention must be one of {_ATTENTION}, got {attention!r}.")
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}.")
         self.target, self.model = target, target.model
         self.config = target.config
+        self.attention, self.max_chunk = attention, int(max_chunk)
         self._mask_fn = create_sliding_window_causal_mask
         attn_params = inspect.signature(type(self.model.layers[0].self_attn).forward).parameters
         self._attn_cache_kw = "cache" if "cache" in attn_params else "past_key_values"
@@ -46,6 +69,13 @@ class RaggedTargetForward:
 
     def new_cache(self, max_rollback: int) -> RollbackDeepseekV4Cache:
         return RollbackDeepseekV4Cache(self.config, max_rollback=max_rollback)
+
+    def new_caches(self, batch_size: int, max_rollback: int) -> list:
+        """One cache per sequence, of the kind this runner's ``attention`` takes.  Call a
+        cache's ``free()`` (batched) or drop it (per-sequence) when its sequence finishes."""
+        if self.attention == "per_sequence":
+            return [self.new_cache(max_rollback) for _ in range(batch_size)]
+        return BatchedTargetState(self.config, batch_size, max_rollback).sequences()
 
     def _mask(self, embeds: torch.Tensor, cache, positions: torch.Tensor):
         # What DeepseekV4Model.forward builds for this sequence alone (generate passes an
@@ -62,58 +92,111 @@ class RaggedTargetForward:
         is token ``j`` of chunk ``i``."""
         if len(chunks) != len(caches) or not chunks:
             raise ValueError(f"one cache per chunk: got {len(chunks)} chunks and {len(caches)} caches.")
-        model, cfg = self.model, self.config
-        embed_dev = _device_of(model.embed_tokens)
         lengths = [int(c.numel()) for c in chunks]
         if min(lengths) < 1:
             raise ValueError("every chunk needs at least one token.")
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        ids = torch.cat([c.reshape(-1).to(embed_dev) for c in chunks]).unsqueeze(0)  # [1, N]
-        positions = torch.cat([
-            torch.arange(cache.get_seq_length(), cache.get_seq_length() + n, device=embed_dev)
-            for cache, n in zip(caches, lengths)
-        ]).unsqueeze(0)
-        embeds = model.embed_tokens(ids)
-        pe = {k: model.rotary_emb(embeds, position_ids=positions, layer_type=k) for k in ("main", "compress")}
-        per_seq = []
-        for i, cache in enumerate(caches):  # masks are built before any layer updates the cache
-            a, b = offsets[i], offsets[i + 1]
-            per_seq.append((a, b, positions[:, a:b], self._mask(embeds[:, a:b], cache, positions[:, a:b])))
-        hidden = embeds.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
-        moved: dict = {}
-
-        def on(t, dev):  # per-device copies of the shared per-forward tensors (device_map targets)
-            if t is None or not isinstance(t, torch.Tensor) or t.device == dev:
-                return t
-            key = (id(t), dev)
-            if key not in moved:
-                moved[key] = t.to(dev)
-            return moved[key]
-
-        for layer in model.layers:
-            dev = _device_of(layer)
-            hidden = hidden.to(dev)
-            dtype = hidden.dtype
-            post, comb, collapsed = layer.attn_hc(hidden)
-            x = layer.input_layernorm(collapsed)
-            outs = []
-            for i, (a, b, pos, mask) in enumerate(per_seq):
-                pe_i = {k: (on(cos, dev)[:, a:b], on(sin, dev)[:, a:b]) for k, (cos, sin) in pe.items()}
-                out, _ = layer.self_attn(x[:, a:b], position_embeddings=pe_i, position_ids=on(pos, dev),
-                                         attention_mask=on(mask, dev), **{self._attn_cache_kw: caches[i]})
-                outs.append(out)
-            attn = torch.cat(outs, dim=1)
-            hidden = post.to(dtype).unsqueeze(-1) * attn.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
-            post, comb, collapsed = layer.ffn_hc(hidden)
-            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=on(ids, dev))
-            hidden = post.to(dtype).unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
-
-        residual = hidden[0]  # [N, hc, D]: the MTP's input
+        batched = [isinstance(c, BatchedSequence) for c in caches]
+        if any(batched):
+            if not all(batched) or len({id(c.state) for c in caches}) != 1:
+                raise ValueError("batched attention: every cache must be a sequence of the same BatchedTargetState.")
+            residual = self._batched(chunks, caches, lengths)
+        else:
+            residual = self._per_sequence(chunks, caches, lengths, offsets)
+        model = self.model
         head_dev = _device_of(model.hc_head)
         rows = residual if logit_rows is None else residual[logit_rows.to(residual.device)]
         h = model.norm(model.hc_head(rows.to(head_dev).unsqueeze(0)))
         lm = self.target.lm_head
         logits = lm(h.to(_device_of(lm)))[0]
         return logits, residual, offsets
+
+    def _per_sequence(self, chunks, caches, lengths, offsets) -> torch.Tensor:
+        model = self.model
+        embed_dev = _device_of(model.embed_tokens)
+        ids = torch.cat([c.reshape(-1).to(embed_dev) for c in chunks]).unsqueeze(0)  # [1, N]
+        positions = torch.cat([
+            torch.arange(cache.get_seq_length(), cache.get_seq_length() + n, device=embed_dev)
+            for cache, n in zip(caches, lengths)
+        ]).unsqueeze(0)
+        embeds = model.embed_tokens(ids)
+        per_seq = []
+        for i, cache in enumerate(caches):  # masks are built before any layer updates the cache
+            a, b = offsets[i], offsets[i + 1]
+            per_seq.append((a, b, positions[:, a:b], self._mask(embeds[:, a:b], cache, positions[:, a:b])))
+
+        def attend(layer_idx, attn, x, pe, on):
+            outs = []
+            for i, (a, b, pos, mask) in enumerate(per_seq):
+                pe_i = {k: (cos[:, a:b], sin[:, a:b]) for k, (cos, sin) in pe.items()}
+                out, _ = attn(x[:, a:b], position_embeddings=pe_i, position_ids=on(pos), attention_mask=on(mask),
+                              **{self._attn_cache_kw: caches[i]})
+                outs.append(out)
+            return torch.cat(outs, dim=1)
+
+        return self._layers(ids, positions, embeds, attend)
+
+    def _batched(self, chunks, caches, lengths) -> torch.Tensor:
+        model, state = self.model, caches[0].state
+        embed_dev = _device_of(model.embed_tokens)
+        flat = [c.reshape(-1).to(embed_dev) for c in chunks]
+        pieces = []  # long chunks run in pieces of max_chunk tokens, each piece a forward of its own
+        for start in range(0, max(lengths), self.max_chunk):
+            part = [i for i, n in enumerate(lengths) if n > start]
+            pieces.append((part, [flat[i][start : start + self.max_chunk] for i in part]))
+        outs = []
+        for part, piece in pieces:
+            slots = [caches[i].slot for i in part]
+            plan = state.plan(slots, [int(p.numel()) for p in piece])
+            ids = torch.cat(piece).unsqueeze(0)
+            positions = plan.on(embed_dev)["flat_pos"]
+
+            def attend(layer_idx, attn, x, pe, on, plan=plan):
+                return state.attend(layer_idx, attn, x, pe, plan)
+
+            outs.append(self._layers(ids, positions, model.embed_tokens(ids), attend))
+            state.commit(plan)
+        if len(outs) == 1:
+            return outs[0]
+        # back to chunk order: piece p holds tokens [p * max_chunk, ...) of the chunks still that long
+        per_chunk = [[] for _ in chunks]
+        for (part, piece), res in zip(pieces, outs):
+            a = 0
+            for i, p in zip(part, piece):
+                per_chunk[i].append(res[a : a + p.numel()])
+                a += p.numel()
+        return torch.cat([r for rs in per_chunk for r in rs])
+
+    def _layers(self, ids, positions, embeds, attend) -> torch.Tensor:
+        """transformers' ``DeepseekV4DecoderLayer.forward`` over the flat rows, with the attention
+        delegated to ``attend(layer_idx, self_attn, x, position_embeddings, on)``.  Returns the
+        residual ``[N, hc_mult, D]``."""
+        model, cfg = self.model, self.config
+        pe = {k: model.rotary_emb(embeds, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+        hidden = embeds.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        moved: dict = {}
+
+        for idx, layer in enumerate(model.layers):
+            dev = _device_of(layer)
+
+            def on(t, dev=dev):  # per-device copies of the shared per-forward tensors (device_map targets)
+                if t is None or not isinstance(t, torch.Tensor) or t.device == dev:
+                    return t
+                key = (id(t), dev)
+                if key not in moved:
+                    moved[key] = t.to(dev)
+                return moved[key]
+
+            hidden = hidden.to(dev)
+            dtype = hidden.dtype
+            post, comb, collapsed = layer.attn_hc(hidden)
+            x = layer.input_layernorm(collapsed)
+            pe_dev = {k: (on(cos), on(sin)) for k, (cos, sin) in pe.items()}
+            attn = attend(idx, layer.self_attn, x, pe_dev, on)
+            hidden = post.to(dtype).unsqueeze(-1) * attn.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+            post, comb, collapsed = layer.ffn_hc(hidden)
+            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=on(ids))
+            hidden = post.to(dtype).unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+        return hidden[0]  # [N, hc, D]: the MTP's input

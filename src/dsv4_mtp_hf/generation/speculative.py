@@ -4,8 +4,9 @@ transformers' assisted loop serves one sequence at a time.  :func:`speculative_g
 runs B sequences together, each with its own acceptance and its own rollback:
 
 * the target runs through :class:`~.ragged_target.RaggedTargetForward` (per-sequence
-  rollback caches and positions, token-wise work batched over all sequences), so each
-  sequence computes what it computes alone -- no padding enters the target;
+  rollback state and positions, the attention batched over sequences with per-sequence
+  state by default, token-wise work batched over all sequences), so each sequence computes
+  what it computes alone -- no padding enters the target's arithmetic;
 * the MTP runs on one :class:`~dsv4_mtp_hf.cache.PagedMtpKVCache` (per-sequence lengths and
   O(1) rollback); sequences that accepted different numbers of drafts catch up in one
   padded forward (``PagedMtpKVCache.ragged``), finished sequences leave the batch.
@@ -106,15 +107,16 @@ class _Sampler:
 class _Batch:
     """Per-sequence state of one :func:`speculative_generate` call."""
 
-    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler=None):
+    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler=None,
+                 target_attention="batched"):
         self.target, self.mtp, self.k, self.sampler = target, mtp, k, sampler
-        self.runner = RaggedTargetForward(target)
+        self.runner = RaggedTargetForward(target, attention=target_attention)
         self.device = mtp.e_proj.weight.device
         self.prompts = prompts
         self.tokens = [p.tolist() for p in prompts]
         self.new = [[] for _ in prompts]
         self.max_new, self.eos, self.prefill_chunk = max_new_tokens, eos, prefill_chunk
-        self.caches = [self.runner.new_cache(max_rollback=k) for _ in prompts]
+        self.caches = self.runner.new_caches(len(prompts), max_rollback=k)
         self.mcache = mtp.new_cache(paged=True, batch_size=len(prompts))
         # Under "auto" the MTP keeps the reference attention here, as GraphedDrafter does: FlashInfer
         # plans on the host per call, and this ragged path has not been measured or checked with it on
@@ -140,6 +142,8 @@ class _Batch:
 
     def _finish(self, i: int) -> None:
         self.done[i] = True
+        if hasattr(self.caches[i], "free"):  # a slot of the batched target state
+            self.caches[i].free()
         self.caches[i] = None  # the target cache of a finished sequence is released now
         self.mcache.free(i)
         self.first_draft.pop(i, None)
@@ -274,6 +278,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     prefill_tokens: int = 8192,
     prefill_chunk: int = 2048,
+    target_attention: str = "batched",
 ) -> SpeculativeOutput:
     """Speculative decoding of a batch with the MTP as the draft.
 
@@ -287,6 +292,9 @@ def speculative_generate(
     ``generator`` (on the MTP's device) makes a run reproducible.  ``num_draft_tokens``
     (default ``mtp.generation_config.num_assistant_tokens``) drafts per round;
     ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
+    ``target_attention``: ``"batched"`` runs the target's attention once per layer for all
+    sequences (:mod:`~.batched_attention`); ``"per_sequence"`` once per sequence through
+    transformers' own attention and cache (the reference it is tested against).
     """
     sampler = None
     if do_sample:
@@ -315,7 +323,7 @@ def speculative_generate(
         if int(p.min()) < 0 or int(p.max()) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}).")
     eos = _eos_ids(target, eos_token_id)
-    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler)
+    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler, target_attention)
 
     # Prefill, in groups of at most `prefill_tokens` prompt tokens (one prompt may exceed it).
     groups, cur, size = [], [], 0
@@ -393,7 +401,8 @@ _STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
 
 
 def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                 streamer=None, mtp=None, num_draft_tokens: int | None = None, **model_kwargs):
+                 streamer=None, mtp=None, num_draft_tokens: int | None = None, target_attention: str = "batched",
+                 **model_kwargs):
     """:func:`speculative_generate` as transformers' decoding loop, for
     ``target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, ...)``.
 
@@ -419,6 +428,6 @@ def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generati
         max_new_tokens=generation_config.max_length - input_ids.shape[1], num_draft_tokens=num_draft_tokens,
         eos_token_id=[] if eos is None else eos, pad_token_id=generation_config.pad_token_id,
         do_sample=bool(generation_config.do_sample), temperature=generation_config.temperature,
-        top_k=generation_config.top_k, top_p=generation_config.top_p,
+        top_k=generation_config.top_k, top_p=generation_config.top_p, target_attention=target_attention,
     )
     return out.sequences.to(input_ids.device)

@@ -1,0 +1,395 @@
+"""DeepSeek-V4 target attention for a ragged batch in one pass per layer, with per-sequence state.
+
+transformers' V4 cache holds one state per layer for the whole batch with one shared length,
+so :class:`~.ragged_target.RaggedTargetForward` used to run the attention once per sequence
+(each with its own :class:`~.target_cache.RollbackDeepseekV4Cache`).  Here the state of all
+sequences lives in padded tensors indexed by a sequence *slot*, and every layer's attention
+(sliding K=V window, HCA/CSA compressor, CSA indexer) runs once for all sequences, with the
+target's own ``self_attn`` weights.
+
+State per layer (on that layer's device), for ``B`` slots:
+
+* ``ring [B, W - 1 + max_rollback, d]``: the sliding K=V rows, slot ``pos % R``;
+* per compressor stream (``"compressor"``, plus ``"indexer"`` on CSA):
+  ``ring_kv`` / ``ring_gate [B, R, c]`` with the raw projected rows (slot ``pos % R``) and
+  ``entries [B, capacity, d]`` with the compressed entries (entry ``e`` at index ``e``).
+
+Everything else is a function of each sequence's length ``L`` (host ints): a stream holds
+``L // rate`` entries and its buffer is the raw rows ``[(L // rate) * rate, L)``; the CSA
+overlap (the ``Ca`` half of the last closed window) is re-read from the raw rows of the
+previous window instead of being kept.  So a rollback only moves ``L``: entries of windows
+that are still closed keep their exact values, those of reopened windows are recomputed
+(and overwritten) when the window closes again, and the rings keep enough rows
+(``max_rollback`` more than a forward needs) for any crop of at most ``max_rollback`` tokens
+below the furthest length a sequence reached.
+
+A forward is planned on the host from the lengths alone (:meth:`BatchedTargetState.plan`:
+gather/scatter indices, no device reads), the index tensors are copied once per device,
+and the layers then run without host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+from .target_cache import CacheRollbackError
+
+__all__ = ["BatchedTargetState", "BatchedSequence"]
+
+_SLIDING = "sliding_attention"
+_HCA = "heavily_compressed_attention"
+_CSA = "compressed_sparse_attention"
+
+
+def _excl_cumsum(t: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(t, 0) - t
+
+
+def _ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence of each item, index of the item within its sequence) for ``counts[i]`` items of sequence ``i``."""
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return seq, torch.arange(seq.numel()) - _excl_cumsum(counts)[seq]
+
+
+class _Plan:
+    """Host-side index tensors of one forward (all int64 on CPU), copied once per device."""
+
+    def __init__(self, slots, lengths, chunk_lengths, window, max_rollback, streams):
+        b = len(slots)
+        self.slots = list(slots)
+        self.L = L = torch.tensor(lengths, dtype=torch.long)
+        self.n = n = torch.tensor(chunk_lengths, dtype=torch.long)
+        self.end = end = L + n
+        self.b, self.S, self.N = b, int(n.max()), int(n.sum())
+        self.window = window
+        off = _excl_cumsum(n)
+        t = {"rows": torch.tensor(slots, dtype=torch.long)}
+        j = torch.arange(self.S)
+        t["pos"] = L[:, None] + j  # [b, S] (rows past a chunk's end are padding)
+        t["pad_idx"] = off[:, None] + torch.minimum(j, n[:, None] - 1)  # flat token of (i, j), clamped
+        seq, k = _ragged_arange(n)
+        t["unpad_idx"] = seq * self.S + k  # padded row of each flat token
+        t["flat_pos"] = (L[seq] + k).unsqueeze(0)  # [1, N]
+        t["end"] = end
+
+        def src(P: torch.Tensor, R: int) -> torch.Tensor:
+            # Index of absolute position P of each sequence in cat(ring[rows].flatten(0, 1), new_rows):
+            # positions before L come from the ring, the others from this forward's rows.
+            shape = (b,) + (1,) * (P.dim() - 1)
+            Lb, ob = L.view(shape), off.view(shape)
+            ring = torch.arange(b).view(shape) * R + P.remainder(R)
+            new = b * R + ob + (P - Lb)
+            return torch.where(P < Lb, ring, new).clamp(0, b * R + self.N - 1)
+
+        def ring_writes(prefix: str, R: int) -> None:
+            # The last min(n, R) rows of each chunk go to slot pos % R (no duplicate slots).
+            c = n.clamp(max=R)
+            s, k = _ragged_arange(c)
+            P = end[s] - c[s] + k
+            t[prefix + "w_row"], t[prefix + "w_slot"], t[prefix + "w_src"] = t["rows"][s], P % R, off[s] + P - L[s]
+
+        # sliding window: the W - 1 positions before each chunk, then the chunk
+        self.ring = max(1, window - 1 + max_rollback)
+        t["kpos"] = L[:, None] - (window - 1) + torch.arange(window - 1 + self.S)
+        t["ksrc"] = src(t["kpos"], self.ring)
+        ring_writes("s_", self.ring)
+
+        # compressor streams, one plan per (rate, ring size, overlap)
+        self.streams = {}
+        for key in streams:
+            rate, R, overlap = key
+            p = f"{rate}_{R}_{int(overlap)}_"
+            w0 = L // rate
+            nw = (L % rate + n) // rate  # windows that close in this forward
+            NW = int(nw.max())
+            if NW:
+                first = w0[:, None] + torch.arange(NW)  # [b, NW] entry index of each closing window
+                P = (first * rate)[:, :, None] + torch.arange(rate)  # [b, NW, rate] its source positions
+                t[p + "win"] = src(P, R)
+                if overlap:  # the previous window's rows (its Ca half joins this entry)
+                    t[p + "prev"] = src(P - rate, R)
+                    t[p + "has_prev"] = (first >= 1).long()
+                t[p + "epos"] = first * rate  # RoPE position of each entry
+                s, k = _ragged_arange(nw)
+                t[p + "e_row"], t[p + "e_idx"], t[p + "e_src"] = t["rows"][s], w0[s] + k, s * NW + k
+            ring_writes(p, R)
+            self.streams[key] = (p, NW, int((end // rate).max()))
+        self._host = t
+        self._dev: dict = {}
+
+    def on(self, dev: torch.device) -> dict:
+        """The index tensors (and the masks derived from them) on ``dev``: one copy per device."""
+        dev = torch.device(dev)
+        if dev in self._dev:
+            return self._dev[dev]
+        names = list(self._host)
+        flat = torch.cat([self._host[k].reshape(-1) for k in names])
+        if dev.type == "cuda":
+            flat = flat.pin_memory().to(dev, non_blocking=True)
+        else:
+            flat = flat.to(dev)
+        t, i = {}, 0
+        for k in names:
+            m = self._host[k].numel()
+            t[k] = flat[i : i + m].view(self._host[k].shape)
+            i += m
+        pos, kpos = t["pos"][:, :, None], t["kpos"][:, None, :]
+        # sliding: a query at p sees the keys p - W + 1 .. p that exist (transformers' sliding mask)
+        t["k_ok"] = (kpos >= 0) & (kpos < t["end"][:, None, None]) & (kpos <= pos) & (pos - kpos < self.window)
+        for key, (p, NW, _) in self.streams.items():
+            # a query at p may use the entries of windows that closed at or before p
+            t[p + "thresh"] = (t["pos"] + 1) // key[0]
+            if p + "has_prev" in t:
+                t[p + "has_prev"] = t[p + "has_prev"].bool()
+        self._dev[dev] = t
+        return t
+
+
+class _Stream:
+    """One compressor stream of one layer: raw-row rings and compressed entries."""
+
+    def __init__(self, rate: int, ring: int, overlap: bool):
+        self.rate, self.R, self.overlap = rate, ring, overlap
+        self.ring_kv = self.ring_gate = self.entries = None
+
+    @property
+    def key(self):
+        return (self.rate, self.R, self.overlap)
+
+    def step(self, module, x: torch.Tensor, plan: _Plan, t: dict, batch_size: int) -> int:
+        """Append this forward's rows (``x``: ``[1, N, D]``) and compress the windows that closed.
+        Returns ``T``, the most entries any of the forward's sequences now has (``self.entries[:, :T]``)."""
+        p, NW, T = plan.streams[self.key]
+        kv, gate = module.kv_proj(x)[0], module.gate_proj(x)[0]  # [N, c]
+        if self.ring_kv is None:
+            self.ring_kv = kv.new_zeros(batch_size, self.R, kv.shape[-1])
+            self.ring_gate = gate.new_zeros(batch_size, self.R, gate.shape[-1])
+        rows = t["rows"]
+        if NW:
+            src_kv = torch.cat([self.ring_kv[rows].flatten(0, 1), kv])
+            src_gate = torch.cat([self.ring_gate[rows].flatten(0, 1), gate])
+            win_kv, win_gate = src_kv[t[p + "win"]], src_gate[t[p + "win"]] + module.position_bias
+            if self.overlap:
+                # CSA: entry w softmax-pools the Ca half of window w - 1 with the Cb half of window w
+                # (zero kv / -inf gate, i.e. weight 0, before the first window)
+                d = module.head_dim
+                has = t[p + "has_prev"][:, :, None, None]
+                prev_kv = src_kv[t[p + "prev"]][..., :d]
+                prev_gate = (src_gate[t[p + "prev"]] + module.position_bias)[..., :d]
+                win_kv = torch.cat([torch.where(has, prev_kv, 0.0), win_kv[..., d:]], dim=2)
+                win_gate = torch.cat([torch.where(has, prev_gate, float("-inf")), win_gate[..., d:]], dim=2)
+            # transformers' compressor arithmetic, window by window
+            weights = win_gate.softmax(dim=2, dtype=torch.float32).to(win_kv.dtype)
+            compressed = module.kv_norm((win_kv * weights).sum(dim=2))  # [b, NW, d]
+            cos, sin = module.rotary_emb(compressed, position_ids=t[p + "epos"], layer_type="compress")
+            compressed = apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+            self._reserve(T, compressed)
+            self.entries.index_put_((t[p + "e_row"], t[p + "e_idx"]), compressed.flatten(0, 1)[t[p + "e_src"]])
+        self.ring_kv.index_put_((t[p + "w_row"], t[p + "w_slot"]), kv[t[p + "w_src"]])
+        self.ring_gate.index_put_((t[p + "w_row"], t[p + "w_slot"]), gate[t[p + "w_src"]])
+        return T
+
+    def _reserve(self, count: int, like: torch.Tensor) -> None:
+        # Zero-initialised (stale or unused entries are masked, but must not be NaN: 0 * NaN = NaN).
+        have = 0 if self.entries is None else self.entries.shape[1]
+        if count <= have:
+            return
+        grown = like.new_zeros(self.ring_kv.shape[0], max(count, 2 * have, 16), like.shape[-1])
+        if self.entries is not None:
+            grown[:, :have] = self.entries
+        self.entries = grown
+
+
+class _LayerState:
+    def __init__(self, layer_type: str, config, max_rollback: int):
+        self.layer_type = layer_type
+        self.ring = None
+        self.streams: dict[str, _Stream] = {}
+        if layer_type == _HCA:
+            m = config.compress_rates[_HCA]
+            self.streams["compressor"] = _Stream(m, max(1, m - 1 + max_rollback), overlap=False)
+        elif layer_type == _CSA:
+            m = config.compress_rates[_CSA]
+            for name in ("compressor", "indexer"):  # the overlap needs the previous window: 2m - 1 rows
+                self.streams[name] = _Stream(m, 2 * m - 1 + max_rollback, overlap=True)
+
+
+class BatchedTargetState:
+    """Attention state of every layer of a V4 target for ``batch_size`` sequence slots.
+
+    ``max_rollback``: the most tokens a :meth:`crop` may remove below the furthest length a
+    sequence has reached (the number of draft tokens verified per round).
+    """
+
+    def __init__(self, config, batch_size: int, max_rollback: int):
+        config = config.get_text_config(decoder=True)
+        types = list(getattr(config, "layer_types", None) or [])
+        unknown = sorted(set(types) - {_SLIDING, _HCA, _CSA})
+        if not types or unknown:
+            raise ValueError(f"batched V4 attention: unsupported layer types {unknown or '(none given)'}.")
+        impl = getattr(config, "_attn_implementation", None) or "eager"
+        if impl != "eager":
+            raise ValueError(f"batched V4 attention computes transformers' eager attention; the target uses "
+                             f"{impl!r}. Use target_attention='per_sequence'.")
+        if max_rollback < 0 or batch_size < 1:
+            raise ValueError(f"need batch_size >= 1 and max_rollback >= 0, got {batch_size}, {max_rollback}.")
+        self.config, self.batch_size, self.max_rollback = config, int(batch_size), int(max_rollback)
+        self.window = int(config.sliding_window)
+        self.layers = [_LayerState(t, config, self.max_rollback) for t in types]
+        self.lengths = [0] * batch_size
+        self.high = [0] * batch_size  # furthest length reached: rings hold rows back to high - ring size
+        self.alive = [True] * batch_size
+
+    def sequences(self) -> list["BatchedSequence"]:
+        return [BatchedSequence(self, i) for i in range(self.batch_size)]
+
+    # -- bookkeeping (host only) -----------------------------------------------------------------
+    def crop(self, slot: int, length: int) -> None:
+        """Roll sequence ``slot`` back to ``length`` tokens: nothing but its length changes."""
+        self._check(slot)
+        if not 0 <= length <= self.lengths[slot]:
+            raise CacheRollbackError(f"cannot crop sequence {slot} of {self.lengths[slot]} tokens to {length}.")
+        lowest = self.high[slot] - self.max_rollback
+        if length < lowest:
+            raise CacheRollbackError(
+                f"cannot roll sequence {slot} back to {length} tokens: it reached {self.high[slot]} and the "
+                f"state keeps max_rollback={self.max_rollback} rows of history (lowest length {lowest}).")
+        self.lengths[slot] = length
+
+    def free(self, slot: int) -> None:
+        """The sequence left the batch: its slot is no longer valid (its rows are never read again)."""
+        self._check(slot)
+        self.alive[slot] = False
+        self.lengths[slot] = self.high[slot] = 0
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.batch_size:
+            raise IndexError(f"sequence slot {slot} out of range [0, {self.batch_size}).")
+        if not self.alive[slot]:
+            raise ValueError(f"sequence slot {slot} was freed.")
+
+    def plan(self, slots: list[int], chunk_lengths: list[int]) -> _Plan:
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"each sequence at most once per forward, got slots {slots}.")
+        for s in slots:
+            self._check(s)
+        keys = {st.key for layer in self.layers for st in layer.streams.values()}
+        return _Plan(slots, [self.lengths[s] for s in slots], chunk_lengths, self.window, self.max_rollback,
+                     sorted(keys))
+
+    def commit(self, plan: _Plan) -> None:
+        """After every layer ran ``plan``: the sequences are longer by their chunks."""
+        for s, e in zip(plan.slots, plan.end.tolist()):
+            self.lengths[s] = e
+            self.high[s] = max(self.high[s], e)
+
+    # -- one layer -----------------------------------------------------------------------------
+    def attend(self, layer_idx: int, attn, x: torch.Tensor, position_embeddings: dict, plan: _Plan) -> torch.Tensor:
+        """``attn``: the layer's ``DeepseekV4Attention``; ``x``: its input ``[1, N, D]`` (the chunks of
+        ``plan`` flattened); ``position_embeddings``: ``{"main", "compress"}`` cos/sin of the flat
+        positions.  Returns what ``attn`` returns for each sequence alone, flattened: ``[1, N, D]``."""
+        layer = self.layers[layer_idx]
+        t = plan.on(x.device)
+        b, S, N = plan.b, plan.S, plan.N
+        cos, sin = position_embeddings[attn.rope_layer_type]
+
+        # token-wise projections, on the flat rows (transformers' DeepseekV4Attention.forward)
+        q_residual = attn.q_a_norm(attn.q_a_proj(x))
+        q = attn.q_b_norm(attn.q_b_proj(q_residual).view(1, N, -1, attn.head_dim).transpose(1, 2))
+        q = apply_rotary_pos_emb(q, cos, sin)  # [1, H, N, d]
+        kv = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(x)).view(1, N, 1, attn.head_dim).transpose(1, 2), cos, sin)
+        kv = kv[0, 0]  # [N, d]: one K=V head
+        q = q[0][:, t["pad_idx"]].transpose(0, 1)  # [b, H, S, d]
+
+        # sliding K=V window: the previous W - 1 rows from the ring, then the chunk's rows
+        if layer.ring is None:
+            layer.ring = kv.new_zeros(self.batch_size, plan.ring, kv.shape[-1])
+        keys = torch.cat([layer.ring[t["rows"]].flatten(0, 1), kv])[t["ksrc"]]  # [b, W - 1 + S, d]
+        ok = t["k_ok"]  # [b, S, W - 1 + S]
+        layer.ring.index_put_((t["s_w_row"], t["s_w_slot"]), kv[t["s_w_src"]])
+
+        sel_keys = sel_ok = None
+        if layer.layer_type == _HCA:
+            st = layer.streams["compressor"]
+            T = st.step(attn.compressor, x, plan, t, self.batch_size)
+            if T:  # every closed window, causally: entry e once p + 1 >= (e + 1) * rate
+                thresh = t[plan.streams[st.key][0] + "thresh"]
+                e_ok = torch.arange(T, device=x.device) < thresh[:, :, None]
+                keys = torch.cat([keys, st.entries[t["rows"], :T]], dim=1)
+                ok = torch.cat([ok, e_ok], dim=2)
+        elif layer.layer_type == _CSA:
+            comp, st, ist = attn.compressor, layer.streams["compressor"], layer.streams["indexer"]
+            T = st.step(comp, x, plan, t, self.batch_size)
+            ist.step(comp.indexer, x, plan, t, self.batch_size)
+            if T:
+                thresh = t[plan.streams[st.key][0] + "thresh"]
+                top = self._indexer_topk(comp.indexer, x, q_residual, ist.entries[t["rows"], :T], thresh, t)
+                sel_ok = top < thresh[:, :, None]  # [b, S, k]
+                # gather only the picked entries (the -inf rest contributes exactly 0 in transformers)
+                sel_keys = st.entries[t["rows"][:, None, None], torch.where(sel_ok, top, 0)]  # [b, S, k, d]
+
+        out = self._attention(attn, q, keys, ok, sel_keys, sel_ok)  # [b, S, H, d]
+        out = out.reshape(b * S, *out.shape[2:])[t["unpad_idx"]].unsqueeze(0)  # [1, N, H, d]
+        # K=V carried RoPE into the output: undo it at the query position (as transformers does)
+        out = apply_rotary_pos_emb(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = attn.o_a_proj(out.reshape(1, N, attn.config.o_groups, -1)).flatten(2)
+        return attn.o_b_proj(grouped)
+
+    @staticmethod
+    def _indexer_topk(indexer, x, q_residual, entries, thresh, t) -> torch.Tensor:
+        """CSA lightning indexer: top-k entries per query among those it may see (``-inf`` for
+        the others, as transformers masks them); picks past the threshold are dropped by the caller."""
+        N = x.shape[1]
+        cos, sin = indexer.rotary_emb(x, position_ids=t["flat_pos"], layer_type="compress")
+        q = indexer.q_b_proj(q_residual).view(1, N, -1, indexer.head_dim).transpose(1, 2)
+        q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)[0]  # [N, H, d]
+        pad = t["pad_idx"]
+        scores = indexer.scorer(q[pad], entries, x[0][pad])  # [b, S, T]
+        T = entries.shape[1]
+        future = torch.arange(T, device=x.device) >= thresh[:, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        return scores.topk(min(indexer.index_topk, T), dim=-1).indices
+
+    @staticmethod
+    def _attention(attn, q, keys, ok, sel_keys, sel_ok) -> torch.Tensor:
+        """transformers' eager V4 attention (shared K=V head, per-head sink) for padded queries
+        ``q [b, H, S, d]`` over per-sequence keys ``[b, K, d]`` and, on CSA, per-query selected
+        keys ``[b, S, k, d]``.  Masked logits are ``-inf``; the sink keeps every row finite."""
+        b, H, S, d = q.shape
+        K = keys.shape[1]
+        # one K=V head for all query heads: [b, H * S, d] x [b, d, K], no broadcast copies
+        logits = [(torch.bmm(q.reshape(b, H * S, d), keys.transpose(1, 2)) * attn.scaling).view(b, H, S, K)]
+        logits[0] = logits[0].masked_fill(~ok.unsqueeze(1), float("-inf"))
+        if sel_keys is not None:
+            sel = torch.matmul(q.transpose(1, 2), sel_keys.transpose(-1, -2)) * attn.scaling  # [b, S, H, k]
+            logits.append(sel.masked_fill(~sel_ok.unsqueeze(2), float("-inf")).transpose(1, 2))
+        sinks = attn.sinks.reshape(1, -1, 1, 1).expand(b, -1, S, -1)
+        combined = torch.cat(logits + [sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
+        out = torch.bmm(probs[..., :K].reshape(b, H * S, K), keys).view(b, H, S, d).transpose(1, 2)  # [b, S, H, d]
+        if sel_keys is not None:
+            out = out + torch.matmul(probs[..., K:].transpose(1, 2), sel_keys)
+        return out
+
+
+class BatchedSequence:
+    """One sequence of a :class:`BatchedTargetState`: what :class:`~.ragged_target.RaggedTargetForward`
+    takes in place of a per-sequence cache (``get_seq_length``, ``crop``, ``free``)."""
+
+    def __init__(self, state: BatchedTargetState, slot: int):
+        self.state, self.slot = state, slot
+
+    def get_seq_length(self) -> int:
+        return self.state.lengths[self.slot]
+
+    def crop(self, max_length: int) -> None:
+        """``RollbackDeepseekV4Cache.crop`` conventions: ``> 0`` keep that many tokens, ``<= 0`` remove ``-n``."""
+        cur = self.get_seq_length()
+        n = int(max_length)
+        self.state.crop(self.slot, cur + n if n <= 0 else min(n, cur))
+
+    def free(self) -> None:
+        self.state.free(self.slot)
