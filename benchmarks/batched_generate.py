@@ -137,42 +137,46 @@ class OracleDrafts:
         spec._Batch.draft = self.original
 
 
-def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label, rows, checks):
+def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label, rows, checks,
+          attentions=("batched",)):
+    """Per batch size: plain batched ``generate`` once, then ``speculative_generate`` with each
+    target attention in ``attentions`` (random-MTP drafts and oracle drafts), all in one run."""
     embed_dev = target.get_input_embeddings().weight.device
     vocab = target.config.vocab_size
     for b in batches:
         print(f"[{label}] B={b}", flush=True)
         prompts = [torch.randint(3, vocab, (prompt_lens[i % len(prompt_lens)],), generator=gen) for i in range(b)]
-        kw = dict(max_new_tokens=new_tokens, num_draft_tokens=k, eos_token_id=[])
-        out = speculative_generate(target, mtp, prompts, **kw)
-        truth = [t.tolist() for t in out.new_tokens]
         ids, mask = left_pad(prompts, 0, embed_dev)
         t_plain = wall(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), repeats)
-        t_spec = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
-        acc = sum(s.accepted for s in out.stats) / max(1, sum(s.drafted for s in out.stats))
-        print(f"[{label}] B={b}: oracle drafts", flush=True)
-        with OracleDrafts(truth):
-            oracle = speculative_generate(target, mtp, prompts, **kw)
-            t_oracle = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
-        # Against per-sequence plain greedy (the first 4 sequences): bf16 kernels round
-        # differently at different batch shapes, so on the GPU a near-tie can flip.
         plain_b = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=0)[:, ids.shape[1]:].cpu()
-        same = {"spec": 0, "oracle": 0, "plain batched": 0}
+        # Against per-sequence plain greedy (the first 4 sequences): bf16 kernels round
+        # differently at different batch shapes, so on the GPU a near-tie can flip.
         n_ref = min(b, 4)
-        for i in range(n_ref):
-            ref = target.generate(prompts[i][None].to(embed_dev), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False)[0, prompts[i].numel():].tolist()
-            same["spec"] += ref == truth[i]
-            same["oracle"] += ref == oracle.new_tokens[i].tolist()
-            same["plain batched"] += ref == plain_b[i].tolist()
-        checks[f"{label} B={b}: sequences equal to per-sequence plain greedy (of {n_ref})"] = same
-        real_len = statistics.mean(s.mean_accepted_length for s in out.stats)
-        oracle_len = statistics.mean(s.mean_accepted_length for s in oracle.stats)
-        tok = b * new_tokens
-        rows.append((label, b, tok / t_plain, tok / t_spec, real_len, acc, tok / t_oracle, oracle_len))
-        print(rows[-1], checks[f"{label} B={b}: sequences equal to per-sequence plain greedy (of {n_ref})"], flush=True)
+        refs = [target.generate(prompts[i][None].to(embed_dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False)[0, prompts[i].numel():].tolist() for i in range(n_ref)]
+        checks[f"{label} B={b}: padded batch equal to per-sequence plain greedy (of {n_ref})"] = sum(
+            refs[i] == plain_b[i].tolist() for i in range(n_ref))
+        for attn in attentions:
+            kw = dict(max_new_tokens=new_tokens, num_draft_tokens=k, eos_token_id=[], target_attention=attn)
+            out = speculative_generate(target, mtp, prompts, **kw)
+            truth = [t.tolist() for t in out.new_tokens]
+            t_spec = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
+            acc = sum(s.accepted for s in out.stats) / max(1, sum(s.drafted for s in out.stats))
+            print(f"[{label}] B={b}, {attn} attention: oracle drafts", flush=True)
+            with OracleDrafts(truth):
+                oracle = speculative_generate(target, mtp, prompts, **kw)
+                t_oracle = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
+            same = {"spec": sum(refs[i] == truth[i] for i in range(n_ref)),
+                    "oracle": sum(refs[i] == oracle.new_tokens[i].tolist() for i in range(n_ref))}
+            name = f"{label} B={b}, {attn} attention: sequences equal to per-sequence plain greedy (of {n_ref})"
+            checks[name] = same
+            real_len = statistics.mean(s.mean_accepted_length for s in out.stats)
+            oracle_len = statistics.mean(s.mean_accepted_length for s in oracle.stats)
+            tok = b * new_tokens
+            rows.append((f"{label}, {attn}", b, tok / t_plain, tok / t_spec, real_len, acc, tok / t_oracle, oracle_len))
+            print(rows[-1], same, flush=True)
 
 
 def main():
@@ -188,10 +192,13 @@ def main():
                    help="target weights; float32 makes the greedy-equality checks immune to bf16 near-ties "
                         "(kernels of different batch shapes round differently)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo-pair sweep")
+    p.add_argument("--attention", default="batched,per_sequence",
+                   help="target attentions of speculative_generate to time side by side (comma list)")
     args = p.parse_args()
     seed = int(time.time())
     gen = torch.Generator().manual_seed(seed)
     batches = [int(b) for b in args.batches.split(",")]
+    attentions = tuple(a for a in args.attention.split(",") if a)
     checks, rows, info = {}, [], {"seed": seed}
     with torch.no_grad():
         target, mtp, device_map = build_split_target(args.layers, args.tiny, gen, getattr(torch, args.dtype))
@@ -222,7 +229,7 @@ def main():
 
         # 3. the B sweep on the V4-shaped split target.
         sweep(target, mtp, (64, 100, 150, 200), batches, args.new_tokens, args.k, args.repeats, gen,
-              f"V4-shaped, {args.layers} layers, {args.dtype}", rows, checks)
+              f"V4-shaped, {args.layers} layers, {args.dtype}", rows, checks, attentions)
         target = mtp = None  # free the V4-shaped pair before loading the demo pair
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -230,15 +237,16 @@ def main():
         if not args.no_demo:
             dev = "cuda:0" if torch.cuda.is_available() else "cpu"
             dt, dm, _ = load_demo_pair(device=dev)
-            sweep(dt, dm, (40, 64, 90), batches, args.new_tokens, args.k, args.repeats, gen, "demo pair", rows, checks)
+            sweep(dt, dm, (40, 64, 90), batches, args.new_tokens, args.k, args.repeats, gen, "demo pair", rows, checks,
+                  attentions)
 
     print("\n" + json.dumps(info, indent=1, default=str))
     for k_, v in checks.items():
         print(f"check: {k_}: {v}")
-    print(f"\n{'model':<32} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'tok/round':>9} {'acc':>5} "
+    print(f"\n{'model':<44} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'tok/round':>9} {'acc':>5} "
           f"{'oracle tok/s':>12} {'tok/round':>9}")
     for label, b, tp, ts, rl, acc, to, ol in rows:
-        print(f"{label:<32} {b:>3} {tp:>11.1f} {ts:>10.1f} {rl:>9.2f} {acc:>5.2f} {to:>12.1f} {ol:>9.2f}")
+        print(f"{label:<44} {b:>3} {tp:>11.1f} {ts:>10.1f} {rl:>9.2f} {acc:>5.2f} {to:>12.1f} {ol:>9.2f}")
     if args.out:
         with open(os.path.join(args.out, "batched_generate.json"), "w") as f:
             json.dump({"info": info, "checks": checks, "rows": rows}, f, indent=1, default=str)
