@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
-# parts (default: all): tests, draft, batched, moe.  On nvidia-h200-x2 the two-GPU tests and the
-# split-target benchmark run too; on one GPU they skip / use that GPU.
+# parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, linear.
+# On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
+# skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
+# both target attentions; moesweep: the FP4-MoE variants still untimed; linear: the skinny-linear
+# op vs cuBLAS with a read-only L2 flush.
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep"
 parts=${*:-tests draft batched moe}
 summary=()
 run() {  # name, command...
@@ -22,10 +25,13 @@ for part in $parts; do
     draft)   run draft python3 benchmarks/draft_step.py --iters 30 --out "$OUT" ;;
     batched) run batched python3 benchmarks/batched_generate.py --out "$OUT" ;;
     moe)     run moe python3 benchmarks/moe_op.py --out "$OUT" --iters 20 ;;
-    *) echo "unknown part $part (tests, draft, batched, moe)"; exit 2 ;;
+    batched32) run batched32 python3 benchmarks/batched_generate.py --dtype float32 --layers 2 --no-demo --repeats 1 --out "$OUT/fp32" ;;
+    moesweep) run moesweep python3 benchmarks/moe_op.py --fmts nvfp4 --ts 1,2,4 --ref-ts "" --no-humming --sweep gvrow@1+2+4,dot --out "$OUT/sweep" ;;
+    linear)  run linear python3 benchmarks/linear_op.py --flush read --out "$OUT" ;;
+    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, linear)"; exit 2 ;;
   esac
 done
-for name in draft batched moe; do  # each benchmark's own table
+for name in draft batched batched32 moe moesweep linear; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"
