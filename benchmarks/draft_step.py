@@ -59,6 +59,25 @@ def fill_random_(module: torch.nn.Module, gen: torch.Generator) -> None:
                 t.copy_(0.02 * torch.randn(t.shape, generator=gen, device=t.device))
 
 
+def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator):
+    """A V4(-Flash)-shaped bf16 target and its bound MTP (reference attention), random weights
+    drawn from ``gen``; the MTP's dense weights in bf16 as a user would load them."""
+    tc = target_config(tiny)
+    with torch.device("meta"):
+        target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
+        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))
+    target = target.to_empty(device=dev).eval()
+    mtp = mtp.to_empty(device=dev).eval()
+    for m in (target, mtp):
+        fill_random_(m, gen)
+    for name, prm in mtp.named_parameters():
+        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    target.model.rotary_emb.__init__(tc, device=dev)
+    mtp.bind(target)
+    return target, mtp
+
+
 def prefilled_paged_cache(mtp, bsz: int, context: int, gen: torch.Generator):
     """A paged MTP cache holding ``context`` random rows per sequence, the random ids and
     residuals (one row more, for the draft step) and the cache's lengths."""
@@ -235,19 +254,7 @@ def main():
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(int(time.time()))
-    tc = target_config(args.tiny)
-    with torch.device("meta"):
-        target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
-        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))
-    target = target.to_empty(device=dev).eval()
-    mtp = mtp.to_empty(device=dev).eval()
-    for m in (target, mtp):
-        fill_random_(m, gen)
-    for name, prm in mtp.named_parameters():  # dense weights in bf16 as a user would load them
-        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
-            prm.data = prm.data.to(torch.bfloat16)
-    target.model.rotary_emb.__init__(tc, device=dev)
-    mtp.bind(target)
+    target, mtp = random_pair(args.tiny, dev, gen)
     c = mtp.config
     bw = copy_bandwidth()
 

@@ -37,24 +37,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig  # noqa: E402
 from dsv4_mtp_hf.ops.skinny_linear import mtp_dense_shapes, skinny_linear_op, skinny_linear_cat_op  # noqa: E402
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); y.copy_(x); b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return 2 * x.numel() * 4 / (statistics.median(times) * 1e-3)
+import draft_step as ds  # noqa: E402  (the random V4-Flash pair, timing and copy-bandwidth helpers)
 
 
 class Timer:
@@ -127,7 +114,7 @@ def sweep(args):
 
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
+    bw = ds.copy_bandwidth()
     timer = Timer(args.iters, args.flush)
     out, t0 = [], time.time()
     for name, ns, k, groups, dtype in mtp_dense_shapes(cfg):
@@ -171,32 +158,13 @@ def draft_step_effect(args):
     ``skinny_linear.use_fused_kernels`` off (cuBLAS, the previous path) and on, same run,
     same cache contents; the timings alternate off/on three times (median of medians)."""
     import importlib
-    import importlib.util
 
-    from transformers import DeepseekV4ForCausalLM
-
-    from dsv4_mtp_hf import DeepseekV4MtpForCausalLM
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
-    spec = importlib.util.spec_from_file_location("draft_step_bench", ROOT / "benchmarks" / "draft_step.py")
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
     sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(int(time.time()))
-    tc = ds.target_config(False)
-    with torch.device("meta"):
-        target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
-        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))
-    target = target.to_empty(device=dev).eval()
-    mtp = mtp.to_empty(device=dev).eval()
-    for mod in (target, mtp):
-        ds.fill_random_(mod, gen)
-    for name, prm in mtp.named_parameters():  # dense weights in bf16 as a user would load them
-        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
-            prm.data = prm.data.to(torch.bfloat16)
-    target.model.rotary_emb.__init__(tc, device=dev)
-    mtp.bind(target)
+    target, mtp = ds.random_pair(False, dev, gen)
     saved = sl.use_fused_kernels
     result = {}
     try:
@@ -264,7 +232,7 @@ def main():
         return sweep(args)
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
+    bw = ds.copy_bandwidth()
     timer = Timer(args.iters, args.flush)
     rows_list = [int(r) for r in args.rows.split(",")]
     rows = []
