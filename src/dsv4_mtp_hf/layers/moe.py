@@ -2,11 +2,10 @@
 shared expert.  Hash routing exists only in the target's first layers, never here."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import fp4
-from ..ops.fp4_moe import fp4_moe
+from ..ops.fp4_moe import clamped_swiglu, fp4_moe
 from ..ops.moe_route import moe_route
 from .linear import project
 
@@ -98,9 +97,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)  # one launch on CUDA for a few rows
-        gate = gate.float().clamp(max=self.limit)
-        up = up.float().clamp(-self.limit, self.limit)
-        return project((F.silu(gate) * up).to(x.dtype), self.down_proj)
+        return project(clamped_swiglu(gate, up, self.limit).to(x.dtype), self.down_proj)
 
 
 class MtpMoE(nn.Module):

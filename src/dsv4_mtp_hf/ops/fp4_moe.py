@@ -24,6 +24,12 @@ from ._kernels import register_triton_kernels
 LIB = "dsv4_mtp"
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """V4's SwiGLU with the asymmetric clamp, in fp32: ``silu(min(gate, L)) * clamp(up, -L, L)``
+    (the gate is clipped above only).  Routed and shared experts alike."""
+    return torch.nn.functional.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+
+
 def fp4_moe_reference(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -48,7 +54,7 @@ def fp4_moe_reference(
         g13[inter:] *= w13_global[e, 1]
         gate_up = xf[tok] @ g13.t()
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        act = torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
+        act = clamped_swiglu(gate, up, swiglu_limit)
         act = act * topk_weights[tok, slot].float().unsqueeze(-1)  # routing weight before w2
         down = fp4.dequantize_fp4(w2[e], w2_scale[e], fmt, w2_global[e])
         out.index_add_(0, tok, act @ down.t())
