@@ -8,7 +8,8 @@ One command on the GPU (see BENCHMARKS.md, "FP4 MoE op (issue 5)")::
 For each format and T it draws fresh random packed weights / activations / routing,
 checks the op (NaN-poisoned output, every element written) against a float64
 dequantise-and-matmul reference of the same packed weights, then times (CUDA graph
-replay, L2 flushed with a 256 MiB memset before every timed replay, median of N):
+replay, L2 flushed with a 256 MiB memset before every timed replay -- ``--flush cold``: the
+memset, then a read of it, so the timed kernel finds no dirty lines to write back -- median of N):
 
 * ours      -- the op as registered for CUDA (Triton, ``fp4_moe_triton.CONFIG``),
 * variants  -- a few launch configurations of the same kernels (``--sweep``; ``mma*``
@@ -18,6 +19,8 @@ replay, L2 flushed with a 256 MiB memset before every timed replay, median of N)
 * humming   -- humming-kernels 0.1.19 indexed W4A16 MoE (NVFP4 only), driven the
                way vLLM drives it: align on device, w13 GEMM, fused clamped SwiGLU,
                w2 GEMM, weighted sum.
+* read probe -- ``--read-probe``: a kernel that only reads the chosen experts' bytes (two
+               launches, like the op), under both flushes: what the bytes alone cost.
 
 The floor is the bytes that must be read (unique experts x packed weights + scales +
 globals, plus activations in and out) over the device-to-device copy bandwidth
@@ -158,6 +161,48 @@ def copy_bandwidth():
     del a, b
     torch.cuda.empty_cache()
     return 2 * n / statistics.median(ts)
+
+
+# ----------------------------------------------------------------------------- read probe
+def read_probe_runner(W, ids, chunk_words: int):
+    """A kernel that only reads what the op must read at these ids -- each chosen expert's
+    packed w1/w3 and its scales, then (second launch, like the op's down kernel) w2 and its
+    scales -- in contiguous chunks of ``chunk_words`` int32 words per program, summing them
+    so the loads stay.  Its time is what the bytes cost in two short launches, without any
+    FP4 math: the attainable floor for a two-kernel op at this T."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_kernel(ids_ptr, w_ptr, s_ptr, out_ptr, W_WORDS: tl.constexpr, S_WORDS: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(ids_ptr + i).to(tl.int64)
+        NCW: tl.constexpr = W_WORDS // CHUNK
+        if c < NCW:
+            base = w_ptr + e * W_WORDS + c * CHUNK
+        else:
+            base = s_ptr + e * S_WORDS + (c - NCW) * CHUNK
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for k in range(0, CHUNK, BLOCK):
+            acc ^= tl.load(base + k + tl.arange(0, BLOCK))
+        tl.store(out_ptr + i * tl.num_programs(1) + c, tl.xor_sum(acc, axis=0))
+
+    w13, s13, _, w2, s2, _ = W
+    uniq = torch.unique(ids).to(torch.int32)
+    mats = [(w13.view(torch.int32), s13.view(torch.int32)), (w2.view(torch.int32), s2.view(torch.int32))]
+    block = min(chunk_words, 4096)
+    outs = [torch.empty(uniq.numel() * (w[0].numel() + s[0].numel()) // chunk_words, dtype=torch.int32, device=ids.device)
+            for w, s in mats]
+
+    def run():
+        for (w, s), out in zip(mats, outs):
+            ww, sw = w[0].numel(), s[0].numel()
+            _read_kernel[(uniq.numel(), (ww + sw) // chunk_words)](uniq, w, s, out, ww, sw, chunk_words, block, num_warps=4)
+        return outs
+
+    return run
 
 
 # ----------------------------------------------------------------------------- humming
@@ -371,6 +416,11 @@ def main():
     ap.add_argument("--no-humming", action="store_true")
     ap.add_argument("--ref-ts", default="1,16", help="T values at which the eager reference path is timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--flush", choices=("write", "cold"), default="write",
+                    help="L2 flush before each timed call: a 256 MiB write (the tables so far) or 'cold' "
+                    "(the write, then a read of it: no dirty lines for the timed kernel to write back)")
+    ap.add_argument("--read-probe", default="", help="comma list of chunk sizes (int32 words) for a kernel that "
+                    "only reads the chosen experts' bytes, timed at each T next to the op (write and cold L2 flush)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     from dsv4_mtp_hf.ops.triton import fp4_moe_triton as tri
@@ -391,6 +441,20 @@ def main():
     bw = copy_bandwidth()
     log(f"device-to-device copy bandwidth (read+write): {bw / 1e12:.3f} TB/s", file=logf)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+
+    class ColdFlush:
+        """The L2 flush of the read probe: the 256 MiB write, then a read of the same buffer.  The
+        write alone leaves ~50 MB of dirty lines that the timed kernel must write back as it
+        evicts them (the probe measured +20 us at T=1); a read alone lets the L2 keep part of
+        bytes that are re-read every iteration (the probe beat HBM peak).  Both: clean, cold."""
+        words = flush.view(torch.int32)
+
+        def zero_(self):
+            flush.zero_()
+            self.words.sum()
+
+    cold_flush = ColdFlush()
+    timing_flush = cold_flush if args.flush == "cold" else flush
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"seed {seed}; default config {json.dumps(tri.CONFIG)}", file=logf)
     gen = torch.Generator(device=dev)
@@ -432,7 +496,7 @@ def main():
                 g.replay()
                 torch.cuda.synchronize()
                 row["graph_err"] = rel_err(out, ref) if not torch.isnan(out).any() else float("nan")
-                row["ours"] = bench(g.replay, args.iters, 5, flush)
+                row["ours"] = bench(g.replay, args.iters, 5, timing_flush)
                 del g
             except Exception as err:  # noqa: BLE001
                 log(f"[{fmt} T={T}] ours FAILED: {type(err).__name__}: {' '.join(str(err).split())[:600]}", file=logf)
@@ -452,16 +516,29 @@ def main():
                     torch.cuda.synchronize()
                     e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv else None
                     g = capture(var)
-                    row[f"v:{name}"] = (bench(g.replay, args.iters, 5, flush), e2)
+                    row[f"v:{name}"] = (bench(g.replay, args.iters, 5, timing_flush), e2)
                     del g
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] variant {name} FAILED: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:300]}", file=logf)
+            for chunk in [int(c) for c in args.read_probe.split(",") if c] if fmt == args.fmts.split(",")[0] else []:
+                try:
+                    g = capture(read_probe_runner(W, ids, chunk))
+                    row[f"read{chunk}"] = bench(g.replay, args.iters, 5, timing_flush)
+                    row[f"read{chunk}_cold"] = bench(g.replay, args.iters, 5, cold_flush)
+                    del g
+                except Exception as err:  # noqa: BLE001
+                    log(f"[{fmt} T={T}] read probe {chunk} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:300]}",
+                        file=logf)
+            if args.read_probe and "ours" in row and fmt == args.fmts.split(",")[0]:
+                g = capture(ours)
+                row["ours_cold"] = bench(g.replay, args.iters, 5, cold_flush)
+                del g
             if T in ref_ts:
                 try:
                     fn = lambda: fp4_moe_reference(x, ids, rw, *W, fmt, LIMIT)  # noqa: E731
                     row["ref_err"] = rel_err(fn(), ref)
-                    row["ref"] = bench(fn, 5, 1, flush)
+                    row["ref"] = bench(fn, 5, 1, timing_flush)
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] reference timing FAILED: {err}", file=logf)
             if hm is not None:
@@ -471,7 +548,7 @@ def main():
                     torch.cuda.synchronize()
                     row["hum_err"] = rel_err(o3, ref)
                     g = capture(run)
-                    row["hum"] = bench(g.replay, args.iters, 5, flush)
+                    row["hum"] = bench(g.replay, args.iters, 5, timing_flush)
                     del g
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] humming FAILED: {type(err).__name__}: {' '.join(str(err).split())[:400]}",
@@ -483,7 +560,7 @@ def main():
         torch.cuda.empty_cache()
 
     log("", file=logf)
-    log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, L2 flushed, median of "
+    log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, L2 flushed ({args.flush}), median of "
         f"{args.iters}; copy bw {bw / 1e12:.2f} TB/s; floor = bytes/copy-bw; %copy = floor/time", file=logf)
     hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>4} {'floor_us':>8} {'ours_us':>8} {'xfloor':>6} {'%copy':>6} {'err':>8} "
            f"{'nan':>3} {'hum_us':>8} {'hum%':>5} {'hum_err':>8} {'ref_us':>8}")
@@ -495,6 +572,13 @@ def main():
             f"{fmtv(100 * r['floor'] / o if o else None, '5.0f')}% {fmtv(r.get('err'), '8.1e')} {fmtv(r.get('nan'), '3d')} "
             f"{fmtv(h)} {fmtv(100 * r['floor'] / h if h else None, '4.0f')}% {fmtv(r.get('hum_err'), '8.1e')} "
             f"{fmtv(r.get('ref'), '8.0f')}", file=logf)
+    if args.read_probe:
+        log("read probe (us; write flush / cold flush = write then read), the op under both:", file=logf)
+        for r in results:
+            log(f"{r['fmt']:>5} {r['T']:>3} floor {fmtv(r['floor'], '.1f')} ours {fmtv(r.get('ours'), '.1f')} / "
+                f"{fmtv(r.get('ours_cold'), '.1f')} " + " ".join(
+                    f"read{c}={fmtv(r.get(f'read{c}'), '.1f')}/{fmtv(r.get(f'read{c}_cold'), '.1f')}"
+                    for c in args.read_probe.split(",") if c), file=logf)
     if sweep:
         log("variants (us / err):", file=logf)
         for r in results:
