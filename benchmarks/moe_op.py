@@ -9,7 +9,7 @@ For each format and T it draws fresh random packed weights / activations / routi
 checks the op (NaN-poisoned output, every element written) against a float64
 dequantise-and-matmul reference of the same packed weights, then times (CUDA graph
 replay, L2 flushed with a 256 MiB memset before every timed replay -- ``--flush cold``: the
-memset, then a read of it, so the timed kernel finds no dirty lines to write back -- median of N):
+memset, then a read of it (experimental, see ``ColdFlush``) -- median of N):
 
 * ours      -- the op as registered for CUDA (Triton, ``fp4_moe_triton.CONFIG``),
 * variants  -- a few launch configurations of the same kernels (``--sweep``; ``mma*``
@@ -418,7 +418,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--flush", choices=("write", "cold"), default="write",
                     help="L2 flush before each timed call: a 256 MiB write (the tables so far) or 'cold' "
-                    "(the write, then a read of it: no dirty lines for the timed kernel to write back)")
+                    "(the write, then a read of it; see ColdFlush's caution)")
     ap.add_argument("--read-probe", default="", help="comma list of chunk sizes (int32 words) for a kernel that "
                     "only reads the chosen experts' bytes, timed at each T next to the op (write and cold L2 flush)")
     args = ap.parse_args()
@@ -443,10 +443,10 @@ def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
 
     class ColdFlush:
-        """The L2 flush of the read probe: the 256 MiB write, then a read of the same buffer.  The
-        write alone leaves ~50 MB of dirty lines that the timed kernel must write back as it
-        evicts them (the probe measured +20 us at T=1); a read alone lets the L2 keep part of
-        bytes that are re-read every iteration (the probe beat HBM peak).  Both: clean, cold."""
+        """The 256 MiB write, then a read of the same buffer, meant to leave no dirty lines for the
+        timed kernel to write back.  Caution (BENCHMARKS.md, 2026-11-30): after it (and after a
+        read-only flush) the read probe ran faster than HBM allows, so it does not give a cold,
+        DRAM-bound timing either; the write flush stays the default."""
         words = flush.view(torch.int32)
 
         def zero_(self):

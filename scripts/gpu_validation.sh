@@ -4,7 +4,7 @@
 # parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, linear.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
-# both target attentions; moesweep: FP4-MoE variants and the read probe under the cold L2 flush; linear: the skinny-linear
+# both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
 # op vs cuBLAS with a read-only L2 flush.
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
@@ -26,7 +26,7 @@ for part in $parts; do
     batched) run batched python3 benchmarks/batched_generate.py --out "$OUT" ;;
     moe)     run moe python3 benchmarks/moe_op.py --out "$OUT" --iters 20 ;;
     batched32) run batched32 python3 benchmarks/batched_generate.py --dtype float32 --layers 2 --no-demo --repeats 1 --out "$OUT/fp32" ;;
-    moesweep) run moesweep python3 benchmarks/moe_op.py --fmts nvfp4 --ts 1,2,4 --ref-ts "" --no-humming --flush cold --read-probe 4096 --sweep gv32@1+2,gvrow@1,dot --out "$OUT/sweep" ;;
+    moesweep) run moesweep python3 benchmarks/moe_op.py --fmts nvfp4 --ts 1,2,4 --ref-ts "" --no-humming --read-probe 4096 --sweep gv32@1+2,gvrow@1,dot --out "$OUT/sweep" ;;
     linear)  run linear python3 benchmarks/linear_op.py --flush read --out "$OUT" ;;
     *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, linear)"; exit 2 ;;
   esac
