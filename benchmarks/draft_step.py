@@ -157,7 +157,8 @@ def replay_timeline(prof, replays: int) -> str:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     evs = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     if not evs or len(evs) % replays:
@@ -201,6 +202,24 @@ def hand_written_kernels(on: bool):
 
 
 @contextlib.contextmanager
+def reference_experts(mtp):
+    """The routed experts through ``fp4_moe_reference`` (dequantise + fp32 matmuls) instead of
+    the registered op, for the duration of the block."""
+    ex = mtp.block.mlp.experts
+    forward = type(ex).forward
+
+    def reference_moe(self, x, weights, ids_):
+        return fp4_moe_reference(x, ids_, weights.float(), self.w13_weight, self.w13_scale, self.w13_global,
+                                 self.w2_weight, self.w2_scale, self.w2_global, self.format.name, self.swiglu_limit)
+
+    type(ex).forward = reference_moe
+    try:
+        yield
+    finally:
+        type(ex).forward = forward
+
+
+@contextlib.contextmanager
 def fp32_reference(mtp):
     """The reference path with fp32 activations: every bf16 weight of the MTP and of the
     shared embedding / lm head upcast (copies; the same values), the reference MoE math
@@ -209,21 +228,12 @@ def fp32_reference(mtp):
     shared = mtp._shared
     params = {id(t): t for t in [p for _, p in mtp.named_parameters()] + [shared.embed_tokens.weight, shared.lm_head.weight]}
     saved = [(t, t.data) for t in params.values() if t.dtype == torch.bfloat16]
-    ex = mtp.block.mlp.experts
-    forward = type(ex).forward
-
-    def reference_moe(self, x, weights, ids_):
-        return fp4_moe_reference(x, ids_, weights.float(), self.w13_weight, self.w13_scale, self.w13_global,
-                                 self.w2_weight, self.w2_scale, self.w2_global, self.format.name, self.swiglu_limit)
-
     try:
         for t, data in saved:
             t.data = data.float()
-        type(ex).forward = reference_moe
-        with hand_written_kernels(False):
+        with reference_experts(mtp), hand_written_kernels(False):
             yield
     finally:
-        type(ex).forward = forward
         for t, data in saved:
             t.data = data
 
@@ -409,18 +419,9 @@ def main():
     with torch.no_grad():
         out_fast = draft_step().logits.float()
         results["ours: draft step, Triton FP4 MoE"] = time_ms(draft_step, args.iters)
-        experts_forward = type(ex).forward
-
-        def reference_moe(self, x, weights, ids_):
-            return fp4_moe_reference(x, ids_, weights.float(), self.w13_weight, self.w13_scale, self.w13_global,
-                                     self.w2_weight, self.w2_scale, self.w2_global, self.format.name, self.swiglu_limit)
-
-        type(ex).forward = reference_moe
-        try:
+        with reference_experts(mtp):
             out_ref = draft_step().logits.float()
             results["ours: draft step, reference MoE"] = time_ms(draft_step, max(5, args.iters // 3))
-        finally:
-            type(ex).forward = experts_forward
         rel = float((out_fast - out_ref).norm() / out_ref.norm())
         same_argmax = bool(out_fast.argmax(-1).eq(out_ref.argmax(-1)).all())
 

@@ -167,9 +167,9 @@ def copy_bandwidth():
 def read_probe_runner(W, ids, chunk_words: int):
     """A kernel that only reads what the op must read at these ids -- each chosen expert's
     packed w1/w3 and its scales, then (second launch, like the op's down kernel) w2 and its
-    scales -- in contiguous chunks of ``chunk_words`` int32 words per program, summing them
-    so the loads stay.  Its time is what the bytes cost in two short launches, without any
-    FP4 math: the attainable floor for a two-kernel op at this T."""
+    scales -- in contiguous chunks of ``chunk_words`` int32 words per program, xor-ing them
+    so the loads stay.  Its time is what the bytes cost in two short launches without any
+    FP4 math (under the write flush; see ``ColdFlush`` for why the other flush is not used)."""
     import triton
     import triton.language as tl
 
