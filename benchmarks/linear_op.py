@@ -152,6 +152,90 @@ def sweep(args):
             json.dump(dict(copy_bw=bw, sweeps=out), f, indent=2)
 
 
+def stream_configs(base, k):
+    """The default and alternatives for ``--stream``: tiles half / twice as tall, K split in two more parts."""
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import SkinnyConfig
+
+    c = [("default", base)]
+    if base.block_n < 64:
+        c.append(("bn x2", SkinnyConfig(base.block_n * 2, base.block_k, base.split, base.num_warps, base.num_stages)))
+    if base.block_n > 16:
+        c.append(("bn / 2", SkinnyConfig(base.block_n // 2, base.block_k, base.split, base.num_warps, base.num_stages)))
+    c.append(("split x2", SkinnyConfig(base.block_n, base.block_k, base.split * 2, base.num_warps, base.num_stages)))
+    return c
+
+
+def stream(args):
+    """Each dense shape's kernel as it runs inside a draft step: back to back, straight after another
+    weight stream, never from the L2.  One CUDA graph of ``calls`` calls cycling through enough copies
+    of the weights (>= 256 MB) that none is still cached; CUDA events around a replay; µs per call,
+    median of ``--iters`` replays.  Also ``skinny_linear_sum`` at the e/h shape (h_proj over 4 streams
+    + e_proj)."""
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import (
+        pick_config, skinny_linear_sum_triton, skinny_linear_triton, sum_config)
+
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = ds.copy_bandwidth()
+    d = cfg.hidden_size
+    shapes = [(name, ns, k, groups) for name, ns, k, groups, dtype in mtp_dense_shapes(cfg) if dtype == torch.bfloat16]
+    shapes.append(("e/h sum (h_proj x4 + e_proj)", (d,), 2 * d, 0))
+    out = []
+    print(f"stream mode: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name, ns, k, groups in shapes:
+        mb = sum(ns) * k * 2 / 1e6
+        copies = max(2, int(256 // mb) + 1)
+        ws = [[(torch.randn(n, k, device="cuda") * k**-0.5).bfloat16() for n in ns] for _ in range(copies)]
+        if groups == 0:  # the e/h sum: k = 2d over the two weights
+            ws = [[w[0][:, :d].contiguous(), w[0][:, d:].contiguous()] for w in ws]
+            x0 = torch.randn(4, d, device="cuda").bfloat16()
+            x1 = torch.randn(1, d, device="cuda").bfloat16()
+            base = sum_config(4, d, d, d, torch.bfloat16, sms)
+        else:
+            x = torch.randn(1, k * groups, device="cuda").bfloat16()
+            base = pick_config(1, ns, k, groups, torch.bfloat16, sms)
+        for label, c in stream_configs(base, k):
+            if groups == 0 and c.split > 1:
+                continue
+
+            def call(wset, c=c):
+                if groups == 0:
+                    return skinny_linear_sum_triton(x0, wset[0], x1, wset[1], c)
+                return skinny_linear_triton(x, wset, groups, c)
+            try:
+                ref = call(ws[0], base).float()
+                err = float((call(ws[0]).float() - ref).norm() / ref.norm())
+                calls = 2 * copies
+                g = torch.cuda.CUDAGraph()
+                for i in range(calls):
+                    call(ws[i % copies])
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g):
+                    for i in range(calls):
+                        call(ws[i % copies])
+                for _ in range(3):
+                    g.replay()
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
+                for a, b in ev:
+                    a.record(); g.replay(); b.record()
+                torch.cuda.synchronize()
+                us = statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / calls
+                del g
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                print(f"  {name} {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            floor = mb * 1e12 / bw
+            out.append(dict(shape=name, config=label, us=us, floor_us=floor, tbps=mb / us, rel_err_vs_default=err,
+                            cfg=[c.block_n, c.block_k, c.split, c.num_warps, c.num_stages]))
+            print(f"{name:<28} {label:<9} {us:7.2f} us  {mb / us:5.2f} TB/s  ({100 * floor / us:5.1f}% of copy)  "
+                  f"err vs default {err:.1e}  cfg {out[-1]['cfg']}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_stream.json"), "w") as f:
+            json.dump(dict(copy_bw=bw, rows=out), f, indent=2)
+
+
 def draft_step_effect(args):
     """Compiled + CUDA-graphed V4-Flash draft steps (K=1, reference attention, as
     ``benchmarks/draft_step.py`` builds them: random weights, 127 cached positions) with
@@ -218,6 +302,8 @@ def main():
                    help="L2 flush before each replay: a 256 MiB memset (default) or a 256 MiB read")
     p.add_argument("--sweep", action="store_true", help="only time other launch configurations of ours (M = 1, 16)")
     p.add_argument("--sweep-budget-s", type=float, default=60.0, help="stop sweeping after this long")
+    p.add_argument("--stream", action="store_true",
+                   help="only the back-to-back in-graph timing of each shape (rotating weight copies), a few configs")
     p.add_argument("--draft-step", action="store_true",
                    help="only the compiled + graphed V4-Flash draft step (batch 1, K=1) with the op off and on")
     p.add_argument("--batches", default="1", help="batch sizes for --draft-step")
@@ -230,6 +316,8 @@ def main():
         return draft_step_effect(args)
     if args.sweep:
         return sweep(args)
+    if args.stream:
+        return stream(args)
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = ds.copy_bandwidth()

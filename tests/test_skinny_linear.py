@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig
 from dsv4_mtp_hf.layers.attention import GroupedOutputProjection
-from dsv4_mtp_hf.layers.linear import project, skinny_ready
+from dsv4_mtp_hf.layers.linear import project, project_sum, skinny_ready
 from dsv4_mtp_hf.layers.moe import SharedExpert
 from dsv4_mtp_hf.ops.skinny_linear import (
     check_skinny_inputs,
@@ -29,6 +29,9 @@ from dsv4_mtp_hf.ops.skinny_linear import (
     skinny_linear_cat_reference,
     skinny_linear_op,
     skinny_linear_reference,
+    skinny_linear_sum,
+    skinny_linear_sum_op,
+    skinny_linear_sum_reference,
     use_skinny,
 )
 
@@ -178,6 +181,49 @@ def test_use_skinny_declines_what_the_kernel_should_not_take():
         sl.use_fused_kernels = saved
 
 
+def test_sum_reference_is_both_products_in_fp32_rounded_once():
+    g = gen()
+    x0, w0 = rand(8, 32, g=g), rand(16, 32, g=g)
+    x1, w1 = rand(2, 24, g=g), rand(16, 24, g=g)
+    want = x0 @ w0.T + (x1 @ w1.T).repeat_interleave(4, 0)
+    torch.testing.assert_close(skinny_linear_sum_reference(x0, w0, x1, w1), want, rtol=1e-5, atol=1e-5)
+    b = [t.bfloat16() for t in (x0, w0, x1, w1)]
+    got = skinny_linear_sum_op(*b)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, skinny_linear_sum_reference(*b))
+    # the wrapper: x0 [..., R, K0], x1 [..., K1]
+    out = skinny_linear_sum(x0.view(2, 4, 32), w0, x1, w1)
+    assert out.shape == (2, 4, 16)
+    torch.testing.assert_close(out.reshape(8, 16), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes,err", [
+    (((8, 32), (16, 32), (3, 24), (16, 24)), "whole multiple"),
+    (((8, 32), (16, 32), (2, 24), (12, 24)), "one width"),
+    (((8, 32), (16, 30), (2, 24), (16, 24)), "does not match"),
+])
+def test_sum_bad_inputs_raise(shapes, err):
+    x0, w0, x1, w1 = (torch.ones(*s) for s in shapes)
+    with pytest.raises(ValueError, match=err):
+        skinny_linear_sum_op(x0, w0, x1, w1)
+
+
+def test_project_sum_on_cpu_is_the_modules_and_an_add():
+    g = gen()
+    h_proj, e_proj = nn.Linear(32, 16, bias=False), nn.Linear(24, 16, bias=False)
+    x0, x1 = rand(3, 4, 32, g=g), rand(3, 24, g=g)
+    with torch.no_grad():
+        assert torch.equal(project_sum(x0, h_proj, x1, e_proj), h_proj(x0) + e_proj(x1).unsqueeze(-2))
+
+
+def test_sum_op_traces_through_torch_compile_and_opcheck():
+    g = gen()
+    args = (rand(8, 32, g=g), rand(16, 32, g=g), rand(2, 24, g=g), rand(16, 24, g=g))
+    torch.library.opcheck(skinny_linear_sum_op, args)
+    f = torch.compile(lambda *a: skinny_linear_sum_op(*a) + 1, fullgraph=True, backend="eager")
+    torch.testing.assert_close(f(*args), skinny_linear_sum_reference(*args) + 1)
+
+
 # ----------------------------------------------------------------------------- the kernel under the CPU interpreter
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import random, torch, torch.nn.functional as F
@@ -209,6 +255,20 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         assert torch.isfinite(got).all(), (m, ns, k, groups, dtype, cfg)
         err = float((got.float() - want).norm() / want.norm())
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (m, ns, k, groups, dtype, cfg, err)
+        worst = max(worst, err)
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import sum_config, skinny_linear_sum_triton
+    from dsv4_mtp_hf.ops.skinny_linear import skinny_linear_sum_reference
+    for m, r, n, k0, k1, cfg in [(4, 4, 64, 256, 128, None), (8, 4, 48, 96, 64, SkinnyConfig(16, 32, 1)),
+                                 (1, 1, 32, 64, 64, SkinnyConfig(16, 64, 1)), (16, 4, 32, 128, 256, None)]:
+        x0, w0 = torch.randn(m, k0, generator=g).bfloat16(), (torch.randn(n, k0, generator=g) * k0 ** -0.5).bfloat16()
+        x1, w1 = torch.randn(m // r, k1, generator=g).bfloat16(), (torch.randn(n, k1, generator=g) * k1 ** -0.5).bfloat16()
+        cfg = cfg or sum_config(m, n, k0, k1, torch.bfloat16, 4)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        got = skinny_linear_sum_triton(x0, w0, x1, w1, cfg, out=out)
+        want = skinny_linear_sum_reference(x0.float(), w0.float(), x1.float(), w1.float())
+        assert torch.isfinite(got).all(), (m, r, n, k0, k1)
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 1e-2, (m, r, n, k0, k1, err)
         worst = max(worst, err)
     print("OK", len(cases), worst)
 """)
@@ -317,3 +377,25 @@ def test_layers_on_cuda_use_the_op_and_agree_with_f_linear():
             for got, want in ((fast_se, ref_se), (fast_gp, ref_gp)):
                 rel = float((got.float() - want.float()).norm() / want.float().norm())
                 assert rel < 1e-2, (rows, rel)
+
+
+@pytest.mark.gpu
+def test_sum_kernel_matches_reference_on_the_e_h_projection():
+    """h_proj over the 4 streams plus e_proj of the token, V4-Flash size, batch 1..4."""
+    from dsv4_mtp_hf.ops.triton.skinny_linear_triton import sum_config, skinny_linear_sum_triton
+
+    g = gen()
+    d = 4096
+    wh, we = _weights((d,), d, torch.bfloat16, g)[0], _weights((d,), d, torch.bfloat16, g)[0]
+    for b in (1, 2, 4):
+        x0 = rand(4 * b, d, g=g, dtype=torch.bfloat16, device="cuda")
+        x1 = rand(b, d, g=g, dtype=torch.bfloat16, device="cuda")
+        cfg = sum_config(4 * b, d, d, d, torch.bfloat16)
+        assert cfg is not None and cfg.split == 1
+        out = torch.full((4 * b, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = skinny_linear_sum_triton(x0, wh, x1, we, cfg, out=out)
+        want = skinny_linear_sum_reference(x0.float(), wh.float(), x1.float(), we.float())
+        assert torch.isfinite(got).all(), b
+        assert float((got.float() - want).norm() / want.norm()) < 1e-2, b
+        assert float((got.float() - want).abs().max() / want.abs().max()) < 1e-2, b
+        assert torch.equal(skinny_linear_sum_op(x0, wh, x1, we), got)  # the registered kernel, deterministic

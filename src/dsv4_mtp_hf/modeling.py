@@ -25,6 +25,7 @@ from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
 from .layers.attention import GroupedOutputProjection, MtpAttention
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
+from .layers.linear import project_sum
 from .layers.moe import FP4Experts, MtpMoE, Router
 from .layers.norms import RMSNorm
 from .layers.rope import rope_cos_sin
@@ -336,8 +337,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         shared = self._shared
         device, dtype = self.e_proj.weight.device, self.e_proj.weight.dtype
         embed = shared.embed_tokens(input_ids.to(shared.embed_tokens.weight.device)).to(device=device, dtype=dtype)
-        e = self.e_proj(self.enorm(embed))
-        x = self.h_proj(self.hnorm(hidden_states.to(device=device, dtype=dtype))) + e.unsqueeze(2)
+        x = project_sum(self.hnorm(hidden_states.to(device=device, dtype=dtype)), self.h_proj, self.enorm(embed), self.e_proj)
         cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
         residual = self.block(x, cos, sin, position_ids, cache)
         h = residual if not logits_to_keep else residual[:, -logits_to_keep:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.skinny_linear import skinny_linear, skinny_linear_cat, use_skinny
+from ..ops.skinny_linear import skinny_linear, skinny_linear_cat, skinny_linear_sum, use_skinny
 
 
 def _plain(m: nn.Module) -> bool:
@@ -34,3 +34,12 @@ def project(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | tuple[torch.
     else:
         out = tuple(skinny_linear_cat(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
     return out[0] if len(out) == 1 else out
+
+
+def project_sum(x0: torch.Tensor, m0: nn.Module, x1: torch.Tensor, m1: nn.Module) -> torch.Tensor:
+    """``m0(x0) + m1(x1)`` broadcast over ``x0``'s second-to-last axis (``x0 [..., R, K0]``,
+    ``x1 [..., K1]``): one launch on CUDA (``dsv4_mtp::skinny_linear_sum``, one fp32 accumulator,
+    rounded once), the two modules and an add otherwise."""
+    if skinny_ready(x0, m0) and skinny_ready(x1, m1) and m0.out_features == m1.out_features:
+        return skinny_linear_sum(x0, m0.weight, x1, m1.weight)
+    return m0(x0) + m1(x1).unsqueeze(-2)

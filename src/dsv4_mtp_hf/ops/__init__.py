@@ -12,11 +12,15 @@ from .skinny_linear import (
     skinny_linear_cat_reference,
     skinny_linear_op,
     skinny_linear_reference,
+    skinny_linear_sum,
+    skinny_linear_sum_op,
+    skinny_linear_sum_reference,
 )
 
 __all__ = [
     "argmax_last", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
     "sinkhorn", "sinkhorn_op", "sinkhorn_reference", "skinny_linear", "skinny_linear_cat", "skinny_linear_cat_op",
-    "skinny_linear_cat_reference", "skinny_linear_op", "skinny_linear_reference",
+    "skinny_linear_cat_reference", "skinny_linear_op", "skinny_linear_reference", "skinny_linear_sum",
+    "skinny_linear_sum_op", "skinny_linear_sum_reference",
 ]

@@ -1,4 +1,4 @@
-"""``dsv4_mtp::skinny_linear`` / ``dsv4_mtp::skinny_linear_cat`` -- dense projections of a few rows.
+"""``dsv4_mtp::skinny_linear`` / ``_cat`` / ``_sum`` -- dense projections of a few rows.
 
 A draft step multiplies 1-16 rows (batch 1/4/16 x one token; ``h_proj`` sees 4 streams per
 token) by the MTP's dense bf16 weights: ``e_proj``/``h_proj`` 4096x4096, ``wq_a`` 1024x4096 and
@@ -18,6 +18,10 @@ reduction launches), -14 us per compiled + graphed batch-1 draft step.
   x[:, g*K:(g+1)*K] @ weight[g*N/G:(g+1)*N/G].T`` (DeepSeek's ``wo_a``).
 * ``skinny_linear_cat(x [M, K], [w_0 [N_0, K], w_1 [N_1, K]]) -> [M, N_0 + N_1]`` = ``F.linear(x,
   cat(w))`` without materialising the concatenated weight.
+* ``skinny_linear_sum(x0 [M, K0], w0 [N, K0], x1 [M/R, K1], w1 [N, K1]) -> [M, N]`` = ``x0 w0^T +
+  x1 w1^T`` (row m of the second product from ``x1[m // R]``), both in one fp32 accumulator and
+  rounded once: ``h_proj`` over the 4 streams plus ``e_proj`` of the token, one 67 MB stream
+  instead of two cuBLAS split-K calls, their reductions and the add.
 
 x and the weights share a dtype (bf16, fp16 or fp32); fp32 accumulation; the result has x's
 dtype.  The references below are the source of truth (CPU, autograd); the layers route
@@ -113,6 +117,39 @@ def _(x, weights):
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
 
 
+def check_skinny_sum_inputs(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor) -> int:
+    """Validate ``skinny_linear_sum``'s inputs; returns how many rows of ``x0`` share one row of ``x1``."""
+    check_skinny_inputs(x0, [w0])
+    check_skinny_inputs(x1, [w1])
+    if w0.shape[0] != w1.shape[0]:
+        raise ValueError(f"skinny_linear_sum adds two products of one width: w0 {tuple(w0.shape)}, w1 {tuple(w1.shape)}.")
+    if x1.dtype != x0.dtype or x1.device != x0.device:
+        raise ValueError(f"x0 and x1 must share dtype and device, got {x0.dtype}/{x0.device} and {x1.dtype}/{x1.device}.")
+    if x1.shape[0] == 0 or x0.shape[0] % x1.shape[0]:
+        raise ValueError(f"x0's rows ({x0.shape[0]}) must be a whole multiple of x1's ({x1.shape[0]}).")
+    return x0.shape[0] // x1.shape[0]
+
+
+def skinny_linear_sum_reference(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """``x0 @ w0.T + x1 @ w1.T``, row ``m`` of the second product taken from ``x1[m // R]`` (``R`` rows
+    of ``x0`` per row of ``x1``): both products and their sum in fp32, rounded once to x0's dtype."""
+    r = check_skinny_sum_inputs(x0, w0, x1, w1)
+    both = F.linear(x0.float(), w0.float()) + F.linear(x1.float(), w1.float()).repeat_interleave(r, dim=0)
+    return both.to(x0.dtype)
+
+
+@torch.library.custom_op(f"{LIB}::skinny_linear_sum", mutates_args=())
+def skinny_linear_sum_op(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """Fallback registration: the reference math."""
+    return skinny_linear_sum_reference(x0, w0, x1, w1)
+
+
+@skinny_linear_sum_op.register_fake
+def _(x0, w0, x1, w1):
+    check_skinny_sum_inputs(x0, w0, x1, w1)
+    return x0.new_empty(x0.shape[0], w0.shape[0])
+
+
 def mtp_dense_shapes(config) -> list[tuple[str, tuple[int, ...], int, int, torch.dtype]]:
     """The MTP's dense projections at ``config``'s size: ``(name, rows of each weight read in one
     launch, K, groups, dtype)``.  The router gate (fp32 math over the bf16 gate) and the mHC
@@ -159,6 +196,16 @@ def skinny_linear_cat(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch
     lead = x.shape[:-1]
     out = skinny_linear_cat_op(x.reshape(-1, x.shape[-1]), list(weights))
     return out.view(*lead, out.shape[-1])
+
+
+def skinny_linear_sum(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """``x0 [..., R, K0] @ w0.T + (x1 [..., K1] @ w1.T)`` broadcast over the ``R`` axis -> ``[..., R, N]``
+    in one op (``x1``'s leading dims are ``x0``'s without the ``R`` axis): the MTP's
+    ``h_proj(hnorm(streams)) + e_proj(enorm(embedding))``."""
+    if x0.shape[:-2] != x1.shape[:-1]:
+        raise ValueError(f"x1 {tuple(x1.shape)} must have x0 {tuple(x0.shape)}'s leading dims without the stream axis.")
+    out = skinny_linear_sum_op(x0.reshape(-1, x0.shape[-1]), w0, x1.reshape(-1, x1.shape[-1]), w1)
+    return out.view(*x0.shape[:-1], w0.shape[0])
 
 
 def register_cuda_kernels() -> bool:

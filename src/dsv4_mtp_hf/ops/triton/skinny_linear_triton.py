@@ -1,4 +1,4 @@
-"""Triton kernels behind ``dsv4_mtp::skinny_linear`` / ``dsv4_mtp::skinny_linear_cat`` on CUDA.
+"""Triton kernels behind ``dsv4_mtp::skinny_linear`` / ``_cat`` / ``_sum`` on CUDA.
 
 A weight-streaming GEMM for a few rows (M <= 64; the layers send M <= 16): the weight is the
 A operand, ``acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ x[BLOCK_M, BLOCK_K]^T`` ("swap AB",
@@ -16,6 +16,8 @@ per program (cp.async into shared memory).  One program per ``BLOCK_N`` output c
   the others ``w1``, writing columns ``N0 + ...`` of one output.
 * Groups (``wo_a``): program t's rows lie in group ``t*BLOCK_N // N_PER_GROUP`` (BLOCK_N
   divides the group), which reads x columns ``[g*K, (g+1)*K)``.
+* ``_skinny_sum_kernel`` (``skinny_linear_sum``): one accumulator walks ``w0`` along K0 with
+  ``x0``, then ``w1`` along K1 with row ``m // R`` of ``x1``; never split along K.
 
 No atomics, fixed grids, no host sync: CUDA-graph safe and deterministic.  The launch
 configuration is a pure function of the shapes (:func:`pick_config`); the K-split decides
@@ -35,6 +37,9 @@ import triton.language as tl
 
 from ..skinny_linear import (
     DTYPES,
+    check_skinny_sum_inputs,
+    skinny_linear_sum_op,
+    skinny_linear_sum_reference,
     skinny_linear_cat_op,
     skinny_linear_cat_reference,
     skinny_linear_op,
@@ -56,17 +61,17 @@ class SkinnyConfig:
 
 
 @triton.jit
-def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_tile, col0, x_col0, k_lo,
-          K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-          FP32: tl.constexpr):
+def _acc_tile(acc, x_ptr, w_ptr, M, Nw, K, stride_xm, stride_wn, n_tile, x_col0, k_lo, X_DIV: tl.constexpr,
+              K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN: tl.constexpr, FP32: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M] += W[tile rows, k_lo : k_lo + K_SPLIT] @ x[rows // X_DIV, same K]^T``."""
     rn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < Nw
     mmask = rm < M
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
-    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (x_col0 + k_lo + rk)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_ptrs = x_ptr + (rm // X_DIV)[None, :].to(tl.int64) * stride_xm + (x_col0 + k_lo + rk)[:, None]
     for k in range(0, K_SPLIT, BLOCK_K):
         if EVEN:
             w = tl.load(w_ptrs)
@@ -81,8 +86,42 @@ def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_ti
             acc = tl.dot(w, xt, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + (col0 + rn)[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < Nw)[:, None])
+
+
+@triton.jit
+def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_tile, col0, x_col0, k_lo,
+          K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+          FP32: tl.constexpr):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = _acc_tile(acc, x_ptr, w_ptr, M, Nw, K, stride_xm, stride_wn, n_tile, x_col0, k_lo, 1, K_SPLIT,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+    _store_tile(acc, out_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_sum_kernel(x0_ptr, w0_ptr, x1_ptr, w1_ptr, out_ptr, M, N, stride_x0m, stride_w0, stride_x1m,
+                       stride_w1, stride_om, K0: tl.constexpr, K1: tl.constexpr, X1_DIV: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                       FP32: tl.constexpr):
+    """One accumulator over both products: ``x0 w0^T`` along K0, then ``x1[m // X1_DIV] w1^T`` along K1."""
+    pid = tl.program_id(0)
+    KS0: tl.constexpr = (K0 + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    KS1: tl.constexpr = (K1 + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = _acc_tile(acc, x0_ptr, w0_ptr, M, N, K0, stride_x0m, stride_w0, pid, 0, 0, 1, KS0,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+    acc = _acc_tile(acc, x1_ptr, w1_ptr, M, N, K1, stride_x1m, stride_w1, pid, 0, 0, X1_DIV, KS1,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+    _store_tile(acc, out_ptr, M, N, stride_om, pid, 0, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -126,8 +165,12 @@ def _sm_count(device_index: int) -> int:
 
 def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, dtype: torch.dtype, sms: int = 132) -> SkinnyConfig | None:
     """The launch configuration for ``m`` rows, weights of ``ns`` rows and ``k`` columns (None:
-    the kernel does not take the shape).  Aim: about two programs per SM, each streaming a
-    weight tile of ~8-16 KB per pipeline stage; split K only when N alone cannot fill the GPU."""
+    the kernel does not take the shape).  The tallest tile (64 or 32 rows) that still gives about
+    one program per SM, each streaming 16-32 KB of weight per pipeline stage; split K only when
+    N alone cannot fill the GPU.  Measured back to back in a CUDA graph on the H200
+    (``benchmarks/linear_op.py --stream``, BENCHMARKS.md 2026-11-30): one program of 32 rows per
+    SM beats two of 16 on every 4096-row weight (e/h 23.7 -> 20.6 µs, wo_b 23.2 -> 20.5 µs,
+    shared w1+w3 12.9 -> 11.2 µs), and 64-row tiles beat 32 on wo_a (18.9 -> 18.1 µs)."""
     fp32 = dtype == torch.float32
     n_per_group = ns[0] // groups if groups > 1 else 0
 
@@ -139,20 +182,19 @@ def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, dtype: torch.d
 
     if not fits(16):
         return None
-    target = 2 * sms
-    bn = 16
+    bn = 32 if fits(32) else 16
     for cand in (64, 32):
-        if fits(cand) and tiles(cand) >= 0.95 * target:
+        if fits(cand) and tiles(cand) >= 0.9 * sms:
             bn = cand
             break
-    # weight tile per stage 8/16/16 KB; with the [16, BLOCK_K] x tile, 80/72/80 KB of shared memory
-    # for the pipeline: two or three programs per SM, 32-48 KB of weight in flight each
-    bk, stages = {16: (256, 5), 32: (256, 4), 64: (128, 4)}[bn]
+    # weight tile per stage 8/16/32 KB (bk=256); with the [16, BLOCK_K] x tile, 80/120/160 KB of shared
+    # memory for the pipeline.  64-row tiles on short rows (wq_b, K=1024) take 128-wide K blocks.
+    bk, stages = {16: (256, 5), 32: (256, 5), 64: (256 if k >= 4096 else 128, 4)}[bn]
     if fp32:
         bk, stages = bk // 2, 3
     bk = max(16, min(bk, triton.next_power_of_2(k)))
     split = 1
-    while tiles(bn) * split < 0.95 * target and k // (2 * split) >= 2 * bk and split < 64:
+    while tiles(bn) * split < 0.9 * sms and k // (2 * split) >= 2 * bk and split < 64:
         split *= 2
     if split > 1:
         k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -237,3 +279,51 @@ def _skinny_linear_cat_cuda(x, weights):
         return skinny_linear_cat_reference(x, weights)
     with torch.cuda.device(x.device):
         return skinny_linear_triton(x if x.stride(-1) == 1 else x.contiguous(), list(weights))
+
+
+def sum_config(m: int, n: int, k0: int, k1: int, dtype: torch.dtype, sms: int = 132) -> SkinnyConfig | None:
+    """``pick_config`` for the summed pair over ``K0 + K1``; None (the reference runs) when that
+    would split K -- the two products share one accumulator per program."""
+    if m > MAX_KERNEL_ROWS or dtype not in DTYPES:
+        return None
+    cfg = pick_config(m, (n,), k0 + k1, 1, dtype, sms)
+    if cfg is None or cfg.split > 1:
+        return None
+    bk = max(16, min(cfg.block_k, triton.next_power_of_2(min(k0, k1))))
+    return SkinnyConfig(cfg.block_n, bk, 1, cfg.num_warps, cfg.num_stages)
+
+
+def skinny_linear_sum_triton(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor,
+                             config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x0 w0^T + x1[m // R] w1^T`` in one launch (inputs validated, unit stride along K)."""
+    m, n = x0.shape[0], w0.shape[0]
+    k0, k1 = w0.shape[1], w1.shape[1]
+    if config is None:
+        sms = _sm_count(x0.device.index if x0.device.index is not None else torch.cuda.current_device())
+        config = sum_config(m, n, k0, k1, x0.dtype, sms)
+        if config is None:
+            raise ValueError(f"skinny_linear_sum: no one-launch configuration for M={m}, N={n}, K={k0}+{k1}.")
+    if out is None:
+        out = torch.empty(m, n, dtype=x0.dtype, device=x0.device)
+    if m == 0 or n == 0:
+        return out
+    bn, bk = config.block_n, config.block_k
+    even = n % bn == 0 and k0 % bk == 0 and k1 % bk == 0
+    _skinny_sum_kernel[(triton.cdiv(n, bn),)](
+        x0, w0, x1, w1, out, m, n, x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0), n, K0=k0, K1=k1,
+        X1_DIV=m // x1.shape[0], BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
+        FP32=x0.dtype == torch.float32 or _INTERPRET, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+@skinny_linear_sum_op.register_kernel("cuda")
+def _skinny_linear_sum_cuda(x0, w0, x1, w1):
+    check_skinny_sum_inputs(x0, w0, x1, w1)
+    layouts_ok = all(t.stride(-1) == 1 or t.shape[-1] <= 1 for t in (w0, w1))
+    if not layouts_ok or sum_config(x0.shape[0], w0.shape[0], w0.shape[1], w1.shape[1], x0.dtype) is None:
+        return skinny_linear_sum_reference(x0, w0, x1, w1)
+    with torch.cuda.device(x0.device):
+        return skinny_linear_sum_triton(x0 if x0.stride(-1) == 1 else x0.contiguous(), w0,
+                                        x1 if x1.stride(-1) == 1 else x1.contiguous(), w1)
