@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..cache import PagedMtpKVCache
-from ..ops.attention import sliding_window_attention_reference
+from ..ops.attention import sliding_window_attention_reference, window_attention
 from ..ops.attention_flashinfer import (
     FlashInferWindowPlans,
     select_attention_backend,
@@ -114,7 +114,8 @@ class MtpAttention(nn.Module):
             # the paged cache's keys: W-1 held columns, then the S new ones at kv_positions[:, -s] onward
             o = sliding_window_attention_flashinfer(q, kv, kv_positions[:, -s], self.sinks, self._plans_for(q, cache))
         else:
-            o = sliding_window_attention_reference(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
+            attend = window_attention if q.is_cuda and not needs_grad else sliding_window_attention_reference
+            o = attend(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)  # one kernel on CUDA
         o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
         o = self.o_a_proj(o.reshape(b, s, self.o_groups, -1))
         return project(o, self.o_b_proj)

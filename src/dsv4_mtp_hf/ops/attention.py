@@ -1,11 +1,24 @@
-"""Sliding-window shared-KV attention with sinks: the reference math (SPEC §4).
+"""Sliding-window shared-KV attention with sinks: the reference math (SPEC §4), and the
+``dsv4_mtp::window_attention`` op that runs it.
 
 One KV head serves as both key and value for every query head (MQA).  A query at
 position p sees the keys at positions (p - window, p].  Each head has a learned sink
 logit that joins the softmax denominator only (a key whose value is zero).
+
+The op's CUDA registration (``ops/triton/attention_triton.py``) computes a draft step's
+one query row per sequence in one kernel (scores, masked online softmax with the sink,
+probabilities times the shared KV); as fp32 cuBLAS GEMMs plus softmax the same math
+took ~16 µs of a V4-Flash batch-1 step (BENCHMARKS.md, 2026-11-30).  Everything else
+-- CPU, more query rows, shapes the kernel does not tile -- runs the reference below.
 """
 
+from __future__ import annotations
+
 import torch
+
+from ._kernels import register_triton_kernels
+
+LIB = "dsv4_mtp"
 
 QUERY_CHUNK = 256  # queries per block in long prefills: memory O(S * (window + chunk)), not O(S^2)
 
@@ -45,3 +58,38 @@ def sliding_window_attention_reference(
         k0, k1 = max(0, l - s + a - (window - 1)), l - s + b
         out.append(_attend(q[:, a:b], kv[:, k0:k1], q_positions[:, a:b], kv_positions[:, k0:k1], sinks, window, scale))
     return torch.cat(out, dim=1)
+
+
+def check_window_attention_inputs(q, kv, q_positions, kv_positions, sinks) -> None:
+    if q.dim() != 4 or kv.dim() != 3 or q.shape[0] != kv.shape[0] or q.shape[-1] != kv.shape[-1]:
+        raise ValueError(f"window_attention expects q [B, S, H, d] and kv [B, L, d], got {tuple(q.shape)} and "
+                         f"{tuple(kv.shape)}.")
+    b, s, h, _ = q.shape
+    if tuple(q_positions.shape) != (b, s) or tuple(kv_positions.shape) != (b, kv.shape[1]):
+        raise ValueError(f"positions must be [B, S] = {(b, s)} and [B, L] = {(b, kv.shape[1])}, got "
+                         f"{tuple(q_positions.shape)} and {tuple(kv_positions.shape)}.")
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must be [H] = [{h}], got {tuple(sinks.shape)}.")
+
+
+@torch.library.custom_op(f"{LIB}::window_attention", mutates_args=())
+def window_attention(q: torch.Tensor, kv: torch.Tensor, q_positions: torch.Tensor, kv_positions: torch.Tensor,
+                     sinks: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """:func:`sliding_window_attention_reference` as an op (the reference math on any device
+    without a faster kernel)."""
+    check_window_attention_inputs(q, kv, q_positions, kv_positions, sinks)
+    return sliding_window_attention_reference(q, kv, q_positions, kv_positions, sinks, window, scale)
+
+
+@window_attention.register_fake
+def _(q, kv, q_positions, kv_positions, sinks, window, scale):
+    check_window_attention_inputs(q, kv, q_positions, kv_positions, sinks)
+    return torch.empty_like(q)
+
+
+def register_cuda_kernels() -> bool:
+    """Register the Triton kernel behind ``dsv4_mtp::window_attention`` (on import when CUDA is present)."""
+    return register_triton_kernels("attention_triton", "dsv4_mtp::window_attention")
+
+if torch.cuda.is_available():
+    register_cuda_kernels()
