@@ -1,5 +1,9 @@
 """Tiny DeepSeek-V4 configs and models shared by the tests."""
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -49,3 +53,20 @@ def tiny_pair(seed: int = 0, expert_format: str = "mxfp4", target_overrides=None
     randomize_(mtp, g)
     mtp.bind(target)
     return target, mtp
+
+
+def run_under_triton_interpreter(script: str) -> None:
+    """Run ``script`` (it prints "OK ..." when its checks pass) with ``TRITON_INTERPRET=1`` in a Python
+    that has Triton -- this one, or the scratch venv /tmp/tv -- and skip when there is none."""
+    import pytest
+
+    py = sys.executable if importlib.util.find_spec("triton") is not None else "/tmp/tv/bin/python"
+    if not os.path.exists(py):
+        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([py, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
+        pytest.skip("Triton not importable for the interpreter")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("OK"), res.stdout

@@ -3,11 +3,7 @@ layers keep the CPU path unchanged, and the Triton kernel (CPU interpreter here,
 ``-m gpu``) matches the reference on the MTP's dense shapes for 1-16 rows."""
 
 import importlib
-import importlib.util
-import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -34,6 +30,8 @@ from dsv4_mtp_hf.ops.skinny_linear import (
     skinny_linear_sum_reference,
     use_skinny,
 )
+
+from .helpers import run_under_triton_interpreter
 
 sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")  # the module (the package re-exports the function)
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,24 +272,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpreter_python():
-    """A Python with Triton for the CPU interpreter: this one, or the scratch venv /tmp/tv."""
-    if importlib.util.find_spec("triton") is not None:
-        return sys.executable
-    cand = "/tmp/tv/bin/python"
-    return cand if os.path.exists(cand) else None
-
-
 def test_triton_kernel_under_the_cpu_interpreter():
-    py = _interpreter_python()
-    if py is None:
-        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([py, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
-        pytest.skip("Triton not importable for the interpreter")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith("OK"), res.stdout
+    run_under_triton_interpreter(INTERPRETER_SCRIPT)
 
 
 # ----------------------------------------------------------------------------- GPU

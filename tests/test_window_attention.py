@@ -2,21 +2,15 @@
 Triton kernel (CPU interpreter here, the GPU with ``-m gpu``) matches the fp32 reference on
 random draft-step inputs -- one query row per sequence, V4-Flash heads, masked cache rows."""
 
-import os
 import random
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4_mtp_hf.ops.attention import sliding_window_attention_reference, window_attention
 
-from .test_skinny_linear import _interpreter_python
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from .helpers import run_under_triton_interpreter
 
 def gen():
     return torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
@@ -82,15 +76,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernel_under_the_cpu_interpreter():
-    py = _interpreter_python()
-    if py is None:
-        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([py, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
-        pytest.skip("Triton not importable for the interpreter")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith("OK"), res.stdout
+    run_under_triton_interpreter(INTERPRETER_SCRIPT)
 
 
 @pytest.mark.gpu
