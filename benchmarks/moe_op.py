@@ -393,6 +393,19 @@ SWEEP = {
     "gv16_dn": dict(_gv(16, 32), only="down"),
     "gv8_gu": dict(_gv(8, 16), only="gate_up"),
     "gv8_dn": dict(_gv(8, 16), only="down"),
+    # fp16x2 HFMA2 GEMV kernels (``fp4_moe_hgemv``), gate/up (BLOCK_N, BLOCK_K, warps) / down (...):
+    # hg32 = its default (32, 1024, 4) / (64, 512, 4); hg16 (16, 1024, 4) / (32, 512, 4); hg8 (8, 1024, 2) /
+    # (16, 512, 2); hg64 (64, 512, 4) / (64, 512, 2); s = NVFP4 block scales in fp16; pf = next K step prefetched
+    **{name: dict(hgemv_min_tokens=1, hgemv_max_tokens=64, hgemv=dict(
+        gate_up=dict(BLOCK_N=g[0], BLOCK_K=g[1], num_warps=g[2]), down=dict(BLOCK_N=d[0], BLOCK_K=d[1], num_warps=d[2]),
+        **extra), **({"only": only} if only else {}))
+       for name, g, d, extra, only in (
+           ("hg32", (32, 1024, 4), (64, 512, 4), {}, None), ("hg16", (16, 1024, 4), (32, 512, 4), {}, None),
+           ("hg8", (8, 1024, 2), (16, 512, 2), {}, None), ("hg64", (64, 512, 4), (64, 512, 2), {}, None),
+           ("hg32s", (32, 1024, 4), (64, 512, 4), dict(scale16=True), None),
+           ("hg32pf", (32, 1024, 4), (64, 512, 4), dict(pf=True), None),
+           ("hg32_gu", (32, 1024, 4), (64, 512, 4), {}, "gate_up"), ("hg32_dn", (32, 1024, 4), (64, 512, 4), {}, "down"),
+           ("hg16_gu", (16, 1024, 4), (32, 512, 4), {}, "gate_up"), ("hg16_dn", (16, 1024, 4), (32, 512, 4), {}, "down"))},
 }
 
 

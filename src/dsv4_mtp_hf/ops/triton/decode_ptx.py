@@ -91,3 +91,96 @@ fma.rn.bf16x2 r1, r1, c126, nz;
 fma.rn.bf16x2 r2, r2, c126, nz;
 fma.rn.bf16x2 r3, r3, c126, nz;
 """ + _TO_F32
+
+# ----------------------------------------------------------------------------- fp16x2 GEMV
+# For the HFMA2 GEMV kernels (``fp4_moe_hgemv``).  fp16 bits of an e2m1 code: sign at bit 15,
+# e1 e0 m at bits 11..9 (exponent low bits + top mantissa bit), so the fp16 value is the
+# e2m1 value times 2**-14 (codes 0 and +-0.5 land on the fp16 subnormals, exactly).  Per
+# 16-bit lane, mask 0x8E00 keeps exactly those bits.
+#
+# One int32 word q holds codes K0..K7 (byte j: K2j in the low nibble, K2j+1 in the high).
+# With t = rotr(q, 3), select(C, q, t) = (q & C) | (t & ~C) puts, in every byte, a code's sign
+# at bit 7 (from q) and its magnitude at bits 3..1 (from t): C = 0x80808080 does that for the
+# high nibbles (Zo), C = 0x08080808 (then rotl 4) for the low nibbles (Ze; the rotation, not a
+# shift, brings K0's magnitude, which t wrapped to bits 31..29, into byte 0).  Each byte is
+# then an fp16 high byte; a rotation by 0/8 (Zo) or 4/12 (Ze) moves two of them into the
+# high bytes of the two lanes and the mask clears the rest.  Lanes (low, high):
+#   Zo & M = (K3, K7)   rotl(Zo, 8) & M = (K1, K5)   rotl(Ze, 4) & M = (K2, K6)   rotl(Ze, 12) & M = (K0, K4)
+# i.e. 1 rotate + 2 lop3 per word, and 1 and (+1 rotate) per pair: 10 integer instructions and
+# 4 fma.rn.f16x2 per 8 weights (Marlin's chained decode, shift q by 4 between pairs, is 15).
+HG_MASK = 0x8E008E00
+HG_WORD = """
+shf.r.wrap.b32 t, {q}, {q}, 3;
+lop3.b32 zo, {q}, t, 0x80808080, 0xE4;
+lop3.b32 ze, {q}, t, 0x08080808, 0xE4;
+and.b32 p, zo, 0x8E008E00;
+{fma37}
+shf.l.wrap.b32 p, zo, zo, 8;
+and.b32 p, p, 0x8E008E00;
+fma.rn.f16x2 {acc}, p, {x15}, {acc};
+shf.l.wrap.b32 p, ze, ze, 4;
+and.b32 p, p, 0x8E008E00;
+fma.rn.f16x2 {acc}, p, {x26}, {acc};
+shf.l.wrap.b32 p, ze, ze, 12;
+and.b32 p, p, 0x8E008E00;
+fma.rn.f16x2 {acc}, p, {x04}, {acc};
+"""
+
+
+def _hg_asm(words: int, scale16: bool = False) -> str:
+    """``words`` int32 words -> fp32 dot with their activations.  Operands: $0 (f32 out);
+    $1..$W the words; then per word i the four fp16x2 activation pairs (K0,K4) (K1,K5)
+    (K2,K6) (K3,K7) at $(1+W+4i) .. $(4+W+4i); with ``scale16`` last the raw NVFP4 scales.
+
+    Plain (one scale group: 2 words NVFP4, 4 MXFP4): the products accumulate in fp16x2 (one
+    lane per half of the word) over the group only; the two lanes are converted to fp32 and
+    added, the block scale is the caller's (fp32).
+    ``scale16`` (NVFP4, 4 words = two groups): each group accumulates in its own fp16x2; the
+    two e4m3 scales ($(1+5W), low byte = first group) convert exactly to fp16, scale their
+    group in fp16 (one mul + one fma for both), then the two lanes go to fp32 and add."""
+    body = []
+    for i in range(words):
+        x = [f"${1 + words + 4 * i + j}" for j in range(4)]
+        acc = "accb" if scale16 and i >= 2 else "acc"
+        first = i == 0 or (scale16 and i == 2)  # the group's first product starts its sum
+        fma37 = f"mul.rn.f16x2 {acc}, p, {x[3]};" if first else f"fma.rn.f16x2 {acc}, p, {x[3]}, {acc};"
+        body.append(HG_WORD.format(q=f"${1 + i}", acc=acc, fma37=fma37, x04=x[0], x15=x[1], x26=x[2]))
+    tail = ""
+    if scale16:
+        tail = (f"mov.b32 {{h0, h1}}, ${1 + 5 * words};\ncvt.rn.f16x2.e4m3x2 s, h0;\nmov.b32 {{h0, h1}}, s;\n"
+                "mov.b32 sa, {h0, h0};\nmov.b32 sb, {h1, h1};\nmul.rn.f16x2 acc, acc, sa;\nfma.rn.f16x2 acc, accb, sb, acc;\n")
+    return ("{\n.reg .b32 t, zo, ze, p, acc, accb, s, sa, sb;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\n" + "".join(body)
+            + tail + "mov.b32 {h0, h1}, acc;\ncvt.f32.f16 f0, h0;\ncvt.f32.f16 f1, h1;\nadd.f32 $0, f0, f1;\n}\n")
+
+
+HG_GROUP2 = _hg_asm(2)  # NVFP4: one 16-weight scale group
+HG_GROUP4 = _hg_asm(4)  # MXFP4: one 32-weight scale group
+HG_CHUNK_NV16 = _hg_asm(4, scale16=True)  # NVFP4, two groups, block scales applied in fp16
+
+# Activations: four int32 words of bf16 pairs (x0..x3 = (K0,K1) (K2,K3) (K4,K5) (K6,K7)) ->
+# the four fp16x2 pairs the decode above multiplies: $0 = (K0,K4), $1 = (K1,K5), $2 = (K2,K6),
+# $3 = (K3,K7), each times 2**s.  $5 = s * 0x00800080 adds s to both bf16 exponents (exact for
+# 0 <= s and no exponent overflow; zeros and bf16 subnormals become values below 2**(s-127),
+# which round to fp16 zero for s <= 100), then bf16 -> fp32 by position and a rounding
+# conversion to fp16 (exact: bf16 has 8 significant bits, fp16 11, in the normal range).
+# HG_XCVT loads the four words itself from the address $4 (16 bytes, read-only path).
+HG_XCVT_BODY = """
+add.u32 a, x0, $5;
+add.u32 b, x2, $5;
+shl.b32 la, a, 16;
+and.b32 ha, a, 0xFFFF0000;
+shl.b32 lb, b, 16;
+and.b32 hb, b, 0xFFFF0000;
+cvt.rn.f16x2.f32 $0, lb, la;
+cvt.rn.f16x2.f32 $1, hb, ha;
+add.u32 a, x1, $5;
+add.u32 b, x3, $5;
+shl.b32 la, a, 16;
+and.b32 ha, a, 0xFFFF0000;
+shl.b32 lb, b, 16;
+and.b32 hb, b, 0xFFFF0000;
+cvt.rn.f16x2.f32 $2, lb, la;
+cvt.rn.f16x2.f32 $3, hb, ha;
+"""
+HG_XCVT = ("{\n.reg .b32 x0, x1, x2, x3, a, b, la, ha, lb, hb;\nld.global.nc.v4.b32 {x0, x1, x2, x3}, [$4];\n"
+           + HG_XCVT_BODY + "}\n")

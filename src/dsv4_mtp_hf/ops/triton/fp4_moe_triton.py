@@ -263,6 +263,14 @@ CONFIG = {
     "gemv_min_tokens": 2,
     "gemv_max_tokens": 2,
     "gemv": None,
+    # From "hgemv_min_tokens" to "hgemv_max_tokens" tokens (checked before "gemv_*") the gate/up
+    # and down kernels are the fp16x2 (HFMA2) GEMV kernels of ``fp4_moe_hgemv``; "hgemv"
+    # overrides their configuration (``fp4_moe_hgemv.HGEMV_CONFIG`` keys).  Off by default:
+    # 9-28% faster at T=1..16 on the H200 (BENCHMARKS.md, 2026-11-30), but its fp16 group sums
+    # pass 1e-2 relative error once activations are ~300x unit scale (its module docstring).
+    "hgemv_min_tokens": 1,
+    "hgemv_max_tokens": 0,
+    "hgemv": None,
 }
 
 
@@ -307,6 +315,19 @@ def _fp4_moe_triton(
     is_nv = f.name == "nvfp4"
     fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
+    if "gate_up" not in cfg and cfg.get("hgemv_min_tokens", 1) <= t <= cfg.get("hgemv_max_tokens", 0):
+        from . import fp4_moe_hgemv
+
+        hcfg = {**fp4_moe_hgemv.HGEMV_CONFIG, **(cfg.get("hgemv") or {})}
+        if fp4_moe_hgemv.hgemv_supports(d, inter, hcfg):
+            fp4_moe_hgemv.launch_hgemv(
+                x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
+                group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=hcfg,
+                only=only)
+            if only is not None:
+                return out
+            _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
+            return out
     if "gate_up" not in cfg and cfg.get("gemv_min_tokens", 1) <= t <= cfg.get("gemv_max_tokens", 0):
         from . import fp4_moe_gemv
 
