@@ -55,7 +55,7 @@ def tiny_pair(seed: int = 0, expert_format: str = "mxfp4", target_overrides=None
     return target, mtp
 
 
-def run_under_triton_interpreter(script: str) -> None:
+def run_under_triton_interpreter(script: str, timeout: int = 600) -> None:
     """Run ``script`` (it prints "OK ..." when its checks pass) with ``TRITON_INTERPRET=1`` in a Python
     that has Triton -- this one, or the scratch venv /tmp/tv -- and skip when there is none."""
     import pytest
@@ -65,7 +65,7 @@ def run_under_triton_interpreter(script: str) -> None:
         pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([py, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([py, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0 and "No module named 'triton'" in res.stderr:
         pytest.skip("Triton not importable for the interpreter")
     assert res.returncode == 0, res.stderr[-3000:]

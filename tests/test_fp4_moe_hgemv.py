@@ -10,14 +10,9 @@ activation magnitudes, and CUDA-graph replay, against float64, fresh random inpu
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
-import sys
 import textwrap
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +20,8 @@ import torch
 from dsv4_mtp_hf import fp4
 from dsv4_mtp_hf.ops.triton import decode_ptx
 
+from .helpers import run_under_triton_interpreter
 from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, make_experts, make_inputs, rel_err
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # ----------------------------------------------------------------------------- fp16 / PTX model
 def _f16_value(bits: int) -> Fraction:
@@ -340,27 +333,11 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpreter_python():
-    """A Python with Triton for the CPU interpreter: this one, or the scratch venv /tmp/tv."""
-    if importlib.util.find_spec("triton") is not None:
-        return sys.executable
-    cand = "/tmp/tv/bin/python"
-    return cand if os.path.exists(cand) else None
-
-
 @pytest.mark.slow
 def test_hgemv_kernels_under_the_cpu_interpreter():
     """The plain-Triton twin (USE_ASM=False) of both kernels, both formats, scale16 and prefetch,
     an expert serving two tokens (two passes), NaN-poisoned workspaces; ~1 minute."""
-    py = _interpreter_python()
-    if py is None:
-        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([py, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
-        pytest.skip("Triton not importable for the interpreter")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith("OK"), res.stdout
+    run_under_triton_interpreter(INTERPRETER_SCRIPT, timeout=900)
 
 
 # ----------------------------------------------------------------------------- GPU
