@@ -21,6 +21,7 @@ from ..attention import check_window_attention_inputs, sliding_window_attention_
 
 BLOCK_H = 16  # query heads per program (the MMA's M)
 BLOCK_L = 32  # keys per step
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU debugging / tests: fp32 dots
 
 
 @triton.jit
@@ -79,12 +80,11 @@ def window_attention_triton(q, kv, q_positions, kv_positions, sinks, window: int
     b, _, h, d = q.shape
     if out is None:
         out = torch.empty_like(q)
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     _window_attention_kernel[(b, h // BLOCK_H)](
         q, kv, q_positions, kv_positions, sinks, out, kv.shape[1], int(window), float(scale),
         q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), q_positions.stride(0),
         kv_positions.stride(0), kv_positions.stride(1), out.stride(0), out.stride(2),
-        D=d, BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L, FP32=interp, num_warps=4, num_stages=2,
+        D=d, BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L, FP32=_INTERPRET, num_warps=4, num_stages=2,
     )
     return out
 

@@ -315,31 +315,24 @@ def _fp4_moe_triton(
     is_nv = f.name == "nvfp4"
     fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
-    if "gate_up" not in cfg and cfg.get("hgemv_min_tokens", 1) <= t <= cfg.get("hgemv_max_tokens", 0):
-        from . import fp4_moe_hgemv
+    for key in ("hgemv", "gemv"):  # the GEMV variants, where CONFIG routes this T to one
+        if "gate_up" in cfg or not cfg.get(f"{key}_min_tokens", 1) <= t <= cfg.get(f"{key}_max_tokens", 0):
+            continue
+        if key == "hgemv":
+            from . import fp4_moe_hgemv as mod
 
-        hcfg = {**fp4_moe_hgemv.HGEMV_CONFIG, **(cfg.get("hgemv") or {})}
-        if fp4_moe_hgemv.hgemv_supports(d, inter, hcfg):
-            fp4_moe_hgemv.launch_hgemv(
-                x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
-                group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=hcfg,
-                only=only)
-            if only is not None:
-                return out
-            _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
-            return out
-    if "gate_up" not in cfg and cfg.get("gemv_min_tokens", 1) <= t <= cfg.get("gemv_max_tokens", 0):
-        from . import fp4_moe_gemv
+            base, supports, launch, extra = mod.HGEMV_CONFIG, mod.hgemv_supports, mod.launch_hgemv, {}
+        else:
+            from . import fp4_moe_gemv as mod
 
-        gcfg = {**fp4_moe_gemv.GEMV_CONFIG, **(cfg.get("gemv") or {})}
-        if fp4_moe_gemv.gemv_supports(d, inter, gcfg):
-            fp4_moe_gemv.launch_gemv(
-                x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
-                group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), fold=fold,
-                cfg=gcfg, only=only)
-            if only is not None:
-                return out
-            _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
+            base, supports, launch, extra = mod.GEMV_CONFIG, mod.gemv_supports, mod.launch_gemv, {"fold": fold}
+        vcfg = {**base, **(cfg.get(key) or {})}
+        if supports(d, inter, vcfg):
+            launch(x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
+                   group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=vcfg,
+                   only=only, **extra)
+            if only is None:
+                _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
             return out
     pb = max(16, triton.next_power_of_2(p))
     bm = _block_m(p, w13.shape[0])
