@@ -212,3 +212,21 @@ def test_long_prefill_attention_is_chunked_and_exact():
     for chunk in (1, 16, 100, 256):
         torch.testing.assert_close(attn(q, kv, q_pos, kv_pos, sinks, w, d**-0.5, query_chunk=chunk), full,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape,rope_dim", [((2, 3, 4, 512), 64), ((2, 3, 96), 32), ((1, 2, 16), 16)])
+def test_rope_per_channel_form_equals_the_slice_form(shape, rope_dim, inverse):
+    """The form torch.compile traces (one expression per channel, no cat/stack, so it fuses with
+    the norm before it) computes the same values as the eager slice form, bit for bit."""
+    from dsv4_mtp_hf.layers.rope import _apply_rope_per_channel, apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(sum(shape) + rope_dim)
+    x = torch.randn(shape, generator=gen).bfloat16()
+    cos, sin = rope_cos_sin(torch.randint(0, 1 << 20, shape[:2], generator=gen), rope_dim, 10000.0)
+    if len(shape) == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    want = apply_rope(x, cos, sin, inverse)
+    assert torch.equal(_apply_rope_per_channel(x, cos, sin, inverse), want)
+    compiled = torch.compile(lambda x, c, s: apply_rope(x, c, s, inverse), fullgraph=True)
+    torch.testing.assert_close(compiled(x, cos, sin), want, rtol=0, atol=0)

@@ -19,6 +19,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x``; ``cos``/``sin`` must
     broadcast against ``x[..., rope_dim // 2]``.  ``inverse`` applies the conjugate
     rotation (V4 un-rotates the attention output at the query's position)."""
+    if torch.compiler.is_compiling():
+        return _apply_rope_per_channel(x, cos, sin, inverse)
     rope_dim = 2 * cos.shape[-1]
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     pairs = rope.float().unflatten(-1, (-1, 2))
@@ -26,3 +28,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     s = -sin if inverse else sin
     rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def _apply_rope_per_channel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """:func:`apply_rope` as one expression per output channel, with no ``cat``/``stack``:
+    Inductor lowers those to one kernel per piece (a draft step had 4 kernels per RoPE), while
+    this form fuses with the norm before it into one kernel.  Same products and sums, so the
+    same values: channel 2i gives ``a cos - b sin``, channel 2i+1 ``b cos + a sin``.  Eager
+    keeps the slice-based form, which allocates only the rope slice in fp32."""
+    d, half = x.shape[-1], cos.shape[-1]
+    nope = d - 2 * half
+
+    def per_channel(t):  # [..., half] -> [..., d]: pair i's value on channels nope+2i, nope+2i+1 (0 on nope)
+        return torch.nn.functional.pad(t.unsqueeze(-1).expand(*t.shape, 2).flatten(-2), (nope, 0))
+
+    xf = x.float()
+    partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # channel 2i <-> 2i+1
+    ch = torch.arange(d, device=x.device)
+    s = per_channel(sin)
+    plus = (ch - nope) % 2 == (0 if inverse else 1)  # the sine term: -b sin on channel 2i (+b sin when inverse)
+    s = torch.where(plus, s, -s)
+    rotated = xf * per_channel(cos) + partner * s
+    return torch.where(ch >= nope, rotated, xf).to(x.dtype)
