@@ -126,3 +126,138 @@ def test_graphed_drafter_replay_equals_eager_on_cuda():
         got_d, got_l = drafter(ids[:, step:][:, :1], hs[:, step:][:, :1])
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
         assert torch.equal(got_d, want_d)
+
+
+# -- dsv4_mtp::paged_kv_update: the ring read + write as one op --------------------------------------
+
+
+def update_inputs(b, s, d, page_size, pages_per_seq, gen, device="cpu", dtype=torch.bfloat16, pool_dtype=None):
+    num_pages = b * pages_per_seq + 3
+    pool = torch.randn(num_pages, page_size, d, generator=gen).to(device=device, dtype=pool_dtype or dtype)
+    table = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq].view(b, pages_per_seq).to(device)
+    lengths = torch.randint(0, 40, (b,), generator=gen).to(device)  # some sequences shorter than the history
+    kv = torch.randn(b, s, d, generator=gen).to(device=device, dtype=dtype)
+    return pool, table, lengths, kv
+
+
+def naive_update(pool, table, lengths, kv, hist, capacity):
+    """Row by row, as the ring is defined: read the held rows, then write the new ones."""
+    pool = pool.clone()
+    page_size = pool.shape[1]
+    b, s, d = kv.shape
+    keys, positions = kv.new_empty(b, hist + s, d), lengths.new_empty(b, hist + s)
+
+    def at(bi, p):
+        slot = p % capacity
+        return int(table[bi, slot // page_size]), slot % page_size
+
+    for bi in range(b):
+        n = int(lengths[bi])
+        for j in range(hist):
+            p = n - hist + j
+            keys[bi, j] = pool[at(bi, max(p, 0))].to(kv.dtype)
+            positions[bi, j] = p if p >= 0 else -(1 << 40)
+        for i in range(s):
+            keys[bi, hist + i], positions[bi, hist + i] = kv[bi, i], n + i
+        for i in range(max(0, s - capacity), s):
+            pool[at(bi, n + i)] = kv[bi, i].to(pool.dtype)
+    return pool, keys, positions
+
+
+CASES = [(1, 1, 16, 10, 127), (3, 5, 4, 6, 7), (2, 40, 4, 6, 7), (2, 3, 4, 6, 20)]  # b, s, page_size, pages, hist
+
+
+@pytest.mark.parametrize("b,s,page_size,pages,hist", CASES)
+def test_update_op_reads_and_writes_the_ring(b, s, page_size, pages, hist):
+    from dsv4_mtp_hf.ops.paged_cache import paged_kv_update_op
+
+    gen = torch.Generator().manual_seed(b * 100 + s)
+    pool, table, lengths, kv = update_inputs(b, s, 64, page_size, pages, gen, pool_dtype=torch.float32)
+    want_pool, want_keys, want_pos = naive_update(pool, table, lengths, kv, hist, pages * page_size)
+    keys, pos = paged_kv_update_op(pool, table, lengths, kv, hist, pages * page_size)
+    assert torch.equal(keys, want_keys) and torch.equal(pos, want_pos) and torch.equal(pool, want_pool)
+
+
+def test_update_op_rejects_bad_inputs():
+    from dsv4_mtp_hf.ops.paged_cache import paged_kv_update_op
+
+    pool, table, lengths, kv = update_inputs(2, 3, 64, 4, 6, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="capacity"):
+        paged_kv_update_op(pool, table, lengths, kv, 7, 23)
+    with pytest.raises(ValueError, match="history"):
+        paged_kv_update_op(pool, table, lengths, kv, 24, 24)
+    with pytest.raises(ValueError, match="kv"):
+        paged_kv_update_op(pool, table, lengths, kv[..., :32], 7, 24)
+    with pytest.raises(ValueError, match="seq_lengths"):
+        paged_kv_update_op(pool, table, lengths[:1], kv, 7, 24)
+
+
+def test_compiled_update_keeps_the_pool_write_in_place():
+    """Under torch.compile the op's declared write stays in place (no functionalised copy of
+    the pool): the cache's own pool and lengths move as in the eager update."""
+    gen = torch.Generator().manual_seed(1)
+    caches = [PagedMtpKVCache(8, 64, batch_size=2, max_draft_tokens=4, page_size=4, dtype=torch.bfloat16)
+              for _ in range(2)]
+    pool = torch.randn(caches[0].pool.shape, generator=gen)
+    for c in caches:
+        c.pool.copy_(pool)
+        c.seq_lengths.copy_(torch.tensor([5, 13]))
+    kv = torch.randn(2, 3, 64, generator=gen).bfloat16()
+
+    def step(cache, kv):
+        keys, pos = cache.update(kv)
+        return keys.float().sum(-1), pos
+
+    want = step(caches[0], kv)
+    got = torch.compile(step, fullgraph=True)(caches[1], kv)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert torch.equal(caches[0].pool, caches[1].pool) and torch.equal(caches[0].seq_lengths, caches[1].seq_lengths)
+
+
+def test_update_kernel_under_the_cpu_interpreter():
+    from .helpers import run_under_triton_interpreter
+
+    run_under_triton_interpreter("""
+import torch
+from dsv4_mtp_hf.ops.triton import paged_cache_triton as pc
+from tests.test_paged_cache import CASES, naive_update, update_inputs
+gen = torch.Generator().manual_seed(3)
+for b, s, page_size, pages, hist in CASES:
+    pool, table, lengths, kv = update_inputs(b, s, 48, page_size, pages, gen)  # (the interpreter's fp32 -> bf16 truncates)
+    cap = pages * page_size
+    want_pool, want_keys, want_pos = naive_update(pool, table, lengths, kv, hist, cap)
+    keys, pos = kv.new_empty(b, hist + s, 48), lengths.new_empty(b, hist + s)
+    args = (pool, table, lengths, kv, keys, pos, s, min(s, cap), hist, 48, cap, page_size, pool.stride(0),
+            pool.stride(1), table.stride(0), kv.stride(0), kv.stride(1), keys.stride(0), keys.stride(1), pos.stride(0))
+    grid = (b, -(-(hist + s) // pc.ROWS))
+    meta = dict(FAR=-(1 << 40), ROWS=pc.ROWS, BLOCK_D=64)
+    if hist + min(s, cap) <= cap:
+        pc._update_kernel[grid](*args, READ=True, WRITE=True, **meta)
+    else:
+        pc._update_kernel[grid](*args, READ=True, WRITE=False, **meta)
+        pc._update_kernel[grid](*args, READ=False, WRITE=True, **meta)
+    assert torch.equal(keys, want_keys) and torch.equal(pos, want_pos) and torch.equal(pool, want_pool), (b, s)
+print("OK update kernel")
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device with `pytest -m gpu`)")
+@pytest.mark.parametrize("b,s", [(1, 1), (16, 4), (4, 300)])
+def test_update_kernel_on_cuda_and_in_a_graph(b, s):
+    from dsv4_mtp_hf.ops.paged_cache import paged_kv_update_op
+
+    gen = torch.Generator().manual_seed(b + s)
+    pool, table, lengths, kv = update_inputs(b, s, 512, 16, 10, gen, device="cuda")
+    want_pool, want_keys, want_pos = naive_update(pool, table, lengths, kv, 127, 160)
+    keys, pos = paged_kv_update_op(pool, table, lengths, kv, 127, 160)
+    assert torch.equal(keys, want_keys) and torch.equal(pos, want_pos) and torch.equal(pool, want_pool)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_kv_update_op(pool, table, lengths, kv, 127, 160)
+    lengths.add_(7)  # the graph reads the lengths at replay
+    want_pool, want_keys, want_pos = naive_update(pool, table, lengths, kv, 127, 160)
+    out[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want_keys) and torch.equal(out[1], want_pos) and torch.equal(pool, want_pool)

@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from .ops.paged_cache import FAR_PAST, paged_kv_update
+
 
 class MtpKVCache:
     def __init__(self, sliding_window: int, max_draft_tokens: int = 16):
@@ -199,7 +201,7 @@ class PagedMtpKVCache:
         past = start - hist + torch.arange(hist, device=kv.device)
         page, row = self._rows(past.clamp(min=0), table)
         held = self.pool[page, row].to(kv.dtype)
-        past = torch.where(past >= 0, past, torch.full_like(past, -(1 << 40)))
+        past = torch.where(past >= 0, past, torch.full_like(past, FAR_PAST))
         i = torch.arange(s, device=kv.device)
         new_pos = start + i
         # Real rows only, and of a long prefill only the last `capacity` (distinct ring slots).
@@ -221,18 +223,11 @@ class PagedMtpKVCache:
                 f"the paged MTP cache holds {self.batch_size} sequences ({sum(self.active)} active); the forward "
                 f"got a batch of {b}. Run only active sequences, in cache row order."
             )
-        hist = self.sliding_window - 1
-        start = self.seq_lengths.unsqueeze(1)
-        past = start - hist + torch.arange(hist, device=kv.device)  # [B, W-1]
-        page, row = self._rows(past.clamp(min=0))
-        held = self.pool[page, row].to(kv.dtype)
-        past = torch.where(past >= 0, past, torch.full_like(past, -(1 << 40)))
-        new_pos = start + torch.arange(s, device=kv.device)  # [B, S]
-        keep = min(s, self.capacity)  # a long prefill only leaves its last rows in the ring
-        page, row = self._rows(new_pos[:, s - keep :])
-        self.pool[page, row] = kv[:, s - keep :].to(self.pool.dtype)
+        # the held keys, the new ones after them, and the ring write: one op (one kernel on CUDA)
+        keys, positions = paged_kv_update(self.pool, self.block_table, self.seq_lengths, kv, self.sliding_window - 1,
+                                          self.capacity)
         self.seq_lengths.add_(s)  # in place: a captured CUDA graph replays this update
-        return torch.cat([held, kv], dim=1), torch.cat([past, new_pos], dim=1)
+        return keys, positions
 
     def crop(self, max_length) -> None:
         """Roll back: an int applies to every sequence (negative: drop that many), a tensor
