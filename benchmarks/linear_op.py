@@ -17,7 +17,8 @@ each captured in a CUDA graph and replayed after a 256 MiB write that flushes th
 come from HBM, as in a draft step), timed with CUDA events around the replay alone, median
 of ``--iters``.  Floor = bytes read and written (weights + x + out) over the device-to-device
 copy bandwidth of the same run; ``%copy`` = floor / time.  Other modes: ``--sweep`` times a few
-other launch configurations of our kernel per shape (M = 1 and 16); ``--draft-step`` times the
+other launch configurations of our kernel per shape (M = 1 and 16); ``--lm-head`` the lm head's
+GEMV called four ways (F.linear, mv, matmul, ours); ``--draft-step`` times the
 compiled + graphed V4-Flash draft step with the op off (cuBLAS) and on, same run.
 Correctness (NaN-poisoned outputs, every shape, M = 1..16) lives in tests/test_skinny_linear.py.
 """
@@ -236,6 +237,55 @@ def stream(args):
             json.dump(dict(copy_bw=bw, rows=out), f, indent=2)
 
 
+def lm_head(args):
+    """The lm head's GEMV (V4-Flash: 129280 x 4096 bf16, 1.06 GB, so every call streams from HBM)
+    the ways a step could call it: ``F.linear`` (what the compiled step's ``mm`` is, and the
+    memset + cuBLAS kernel in its timeline), ``torch.mv``, ``W @ h.T`` and our skinny op.  One
+    CUDA graph of 4 back-to-back calls per variant, CUDA events around a replay, µs per call,
+    median of ``--iters``; the kernels of one replay from the profiler."""
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    bw = ds.copy_bandwidth()
+    w = (torch.randn(v, d, device="cuda") * d**-0.5).bfloat16()
+    floor = v * d * 2 / bw * 1e6
+    out = []
+    print(f"lm head {v} x {d}: copy bandwidth {bw / 1e12:.2f} TB/s, floor {floor:.1f} us", flush=True)
+    for m in [int(r) for r in args.rows.split(",")]:
+        h = torch.randn(m, d, device="cuda").bfloat16()
+        variants = {"F.linear": lambda: F.linear(h, w), "torch.matmul(W, h.T)": lambda: torch.matmul(w, h.t()),
+                    "skinny_linear": lambda: skinny_linear_op(h, w, 1)}
+        if m == 1:
+            variants["torch.mv"] = lambda: torch.mv(w, h[0])
+        want = F.linear(h.float(), w.float())
+        for name, fn in variants.items():
+            got = fn()
+            err = float((got.float().reshape(want.shape) - want).norm() / want.norm())
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                for _ in range(4):
+                    fn()
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
+            for a, b in ev:
+                a.record(); g.replay(); b.record()
+            torch.cuda.synchronize()
+            us = statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / 4
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                g.replay()
+                torch.cuda.synchronize()
+            kernels = sorted({e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+            out.append(dict(rows=m, variant=name, us=us, floor_us=floor, rel_err=err, kernels=kernels))
+            print(f"M={m:<3} {name:<22} {us:8.1f} us  {100 * floor / us:5.1f}% of copy  err {err:.1e}  {kernels}",
+                  flush=True)
+            del g
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_lm_head.json"), "w") as f:
+            json.dump(dict(copy_bw=bw, rows=out), f, indent=2)
+
+
 def draft_step_effect(args):
     """Compiled + CUDA-graphed V4-Flash draft steps (K=1, reference attention, as
     ``benchmarks/draft_step.py`` builds them: random weights, 127 cached positions) with
@@ -307,6 +357,7 @@ def main():
     p.add_argument("--draft-step", action="store_true",
                    help="only the compiled + graphed V4-Flash draft step (batch 1, K=1) with the op off and on")
     p.add_argument("--batches", default="1", help="batch sizes for --draft-step")
+    p.add_argument("--lm-head", action="store_true", help="only the lm head's GEMV: F.linear, mv, matmul, ours")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     from dsv4_mtp_hf.ops.triton.skinny_linear_triton import pick_config
@@ -318,6 +369,8 @@ def main():
         return sweep(args)
     if args.stream:
         return stream(args)
+    if args.lm_head:
+        return lm_head(args)
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = ds.copy_bandwidth()

@@ -6,8 +6,9 @@ position p sees the keys at positions (p - window, p].  Each head has a learned 
 logit that joins the softmax denominator only (a key whose value is zero).
 
 The op's CUDA registration (``ops/triton/attention_triton.py``) computes a draft step's
-one query row per sequence in one kernel (scores, masked online softmax with the sink,
-probabilities times the shared KV); as fp32 cuBLAS GEMMs plus softmax the same math
+one query row per sequence in one launch (scores, masked online softmax with the sink,
+probabilities times the shared KV; at small batch the keys are split over programs and
+combined by the last one, flash-decoding); as fp32 cuBLAS GEMMs plus softmax the same math
 took ~16 µs of a V4-Flash batch-1 step (BENCHMARKS.md, 2026-11-30).  Everything else
 -- CPU, more query rows, shapes the kernel does not tile -- runs the reference below.
 """
