@@ -25,7 +25,7 @@ from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
 from .layers.attention import GroupedOutputProjection, MtpAttention
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
-from .layers.linear import project_sum
+from .layers.linear import project, project_sum
 from .layers.moe import FP4Experts, MtpMoE, Router
 from .layers.norms import RMSNorm
 from .layers.rope import rope_cos_sin
@@ -274,7 +274,9 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         h = h.to(device=head.weight.device, dtype=head.weight.dtype)
         ids = self.draft_vocab_ids() if draft_vocab else None
         if ids is None:
-            return head(h)
+            # One row (a batch-1 draft step) on CUDA: the skinny op streams the 1 GB head as fast as cuBLAS
+            # (H200: 241.7 vs 243.9 us) without cuBLAS's memset node and its ~4 us launch gap; more rows: untimed.
+            return project(h, head) if h.numel() == h.shape[-1] else head(h)
         key = (head.weight.device, head.weight.dtype, ids.numel())
         cached = getattr(self, "_draft_head_cache", None)
         if cached is None or cached[0] != key:
