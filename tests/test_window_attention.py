@@ -53,7 +53,7 @@ def test_bad_inputs_raise(change, err):
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import random, torch
     from dsv4_mtp_hf.ops.attention import sliding_window_attention_reference
-    from dsv4_mtp_hf.ops.triton import attention_triton as at
+    from dsv4_mtp_hf.ops.triton import attention_triton as at, persistent
     g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
 
     def draft(b, h, d, l, window):  # held keys then the new one; sequence 0's first rows before its start
@@ -96,7 +96,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         err = float((got.float() - want).norm() / want.norm())
         assert err < 1e-2, (b, h, d, l, window, cfg, err)
         worst = max(worst, err)
-        assert all(int(t.abs().sum()) == 0 for t in at._tickets.values()), "tickets not reset"
+        assert all(int(t.abs().sum()) == 0 for (name, _), t in persistent._BUFFERS.items()
+                   if name == "window_attention_tickets"), "tickets not reset"
         again = at.window_attention_triton(q, kv, qpos, kvpos, sinks, window, d ** -0.5, config=cfg)
         assert torch.equal(again, got), "a second call differs"
 
@@ -183,9 +184,9 @@ def test_kernel_settings_at_v4_flash_size(b, cfg):
 @pytest.mark.gpu
 def test_split_captured_before_any_eager_call(monkeypatch):
     """No ticket buffer yet at capture time: the split combine becomes a second launch, still right."""
-    from dsv4_mtp_hf.ops.triton import attention_triton as at
+    from dsv4_mtp_hf.ops.triton import attention_triton as at, persistent
 
-    monkeypatch.setattr(at, "_tickets", {})
+    monkeypatch.setattr(persistent, "_BUFFERS", {})
     monkeypatch.setattr(at, "_warned_capture", False)
     g = gen()
     q, kv, qp, kp, sinks = draft_inputs(1, 64, 512, 128, g, device="cuda")
@@ -196,7 +197,7 @@ def test_split_captured_before_any_eager_call(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match="second launch"), torch.cuda.graph(graph):
         res = at.window_attention_triton(q, kv, qp, kp, sinks, 128, 512**-0.5, config=cfg)
-    assert not at._tickets
+    assert not persistent._BUFFERS
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(res, at.window_attention_triton(q, kv, qp, kp, sinks, 128, 512**-0.5, config=cfg))

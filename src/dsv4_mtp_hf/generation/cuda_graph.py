@@ -57,7 +57,9 @@ class GraphedDrafter:
     @torch.no_grad()
     def run_eager(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The K steps without the graph (compiled steps if ``compile``): drafts ``[B, K]``
-        and their logits ``[B, K, V]``."""
+        and their logits ``[B, K, V]``.  K = 1 returns views of the step's own outputs (no
+        copy kernels in the graph); K > 1 copies the K steps' outputs together (each step's
+        lm head writes its own buffer)."""
         if self.attention_plans is not None:
             self.attention_plans.rewind()  # step k attends with FlashInfer plan k
         tok, res, drafts, logits = self.tokens, self.residual, [], []
@@ -65,6 +67,8 @@ class GraphedDrafter:
             tok, step_logits, res = self.step(tok, res, self.cache, self.draft_vocab)
             drafts.append(tok)
             logits.append(step_logits)
+        if self.num_drafts == 1:
+            return drafts[0].view(-1, 1), logits[0].unsqueeze(1)
         return torch.cat(drafts, dim=1), torch.stack(logits, dim=1)
 
     def _warm_up(self, warmup: int, lengths: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .persistent import persistent_zeros
 from ..attention import check_window_attention_inputs, sliding_window_attention_reference, window_attention
 
 BLOCK_H = 16  # the smallest head block (the MMA's M): kernel_takes needs a multiple of it
@@ -210,27 +211,7 @@ def _combine_kernel(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, H, so_b, so_h,
     _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, b, h, tl.arange(0, D), H, so_b, so_h, D, BLOCK_H, NSPLIT)
 
 
-# One zeroed int32 ticket per (sequence, head block), per device; the kernel leaves them at 0.
-# Never freed: graphs captured earlier keep pointing at them.
-_TICKETS_MIN = 4096
-_tickets: dict[torch.device, torch.Tensor] = {}
-_old_tickets: list[torch.Tensor] = []
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _ticket_buffer(device: torch.device, n: int, capturing: bool) -> torch.Tensor | None:
-    buf = _tickets.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if capturing:  # a zeroing memset would only run at replay, not before the eager calls after it
-        return None
-    if buf is not None:
-        _old_tickets.append(buf)
-    _tickets[device] = buf = torch.zeros(max(n, _TICKETS_MIN), dtype=torch.int32, device=device)
-    return buf
+_TICKETS_MIN = 4096  # tickets (one per sequence x head block) allocated at least
 
 
 def kernel_takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -263,7 +244,7 @@ def window_attention_triton(q, kv, q_positions, kv_positions, sinks, window: int
         acc = ws[: b * nsplit * h * d]
         m, den = ws[b * nsplit * h * d:].view(2, -1)
         if cfg.combine == "ticket":
-            ticket = _ticket_buffer(q.device, b * n_hb, _capturing(q))
+            ticket = persistent_zeros("window_attention_tickets", q.device, max(b * n_hb, _TICKETS_MIN), torch.int32)
             if ticket is None and not _warned_capture:
                 _warned_capture = True
                 warnings.warn("dsv4_mtp::window_attention: first call inside CUDA-graph capture, so the split "
