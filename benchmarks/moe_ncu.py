@@ -10,6 +10,11 @@ Profiled, after a warm-up (Triton compilation) outside the profiled range: the o
 registered (``dsv4_mtp::fp4_moe``), the FMA-GEMV variant ``gv32`` of ``moe_op.py``'s SWEEP,
 and ``moe_op.py``'s read probe (the chosen experts' bytes read in two launches, no math).
 ncu flushes the caches before each profiled launch by default, so each reads from DRAM.
+
+Any SWEEP entry profiles with ``--variants``, e.g. the fp16 mma.sync path (``fp4_moe_hmma``)
+against the fp16x2 GEMV: ``--variants hm,hm_pf2,hg32``; its kernels are ``_x_f16_kernel`` (the
+activation prologue, ~1 us), ``_gate_up_hmma_kernel`` and ``_down_hmma_kernel`` (add
+``--kernel-name regex:hmma`` to ncu to profile only those).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ memset, then a read of it (experimental, see ``ColdFlush``) -- median of N):
 
 * ours      -- the op as registered for CUDA (Triton, ``fp4_moe_triton.CONFIG``),
 * variants  -- a few launch configurations of the same kernels (``--sweep``; ``mma*``
-               time the opt-in mma.sync path of ``fp4_moe_mma``),
+               time the opt-in mma.sync path of ``fp4_moe_mma``, ``hm*`` the fp16 mma.sync
+               path of ``fp4_moe_hmma``),
 * reference -- ``fp4_moe_reference`` (dequantise + torch matmul per expert, eager:
                it syncs to the host, so it cannot be graph-captured),
 * humming   -- humming-kernels 0.1.19 indexed W4A16 MoE (NVFP4 only), driven the
@@ -406,6 +407,22 @@ SWEEP = {
            ("hg32pf", (32, 1024, 4), (64, 512, 4), dict(pf=True), None),
            ("hg32_gu", (32, 1024, 4), (64, 512, 4), {}, "gate_up"), ("hg32_dn", (32, 1024, 4), (64, 512, 4), {}, "down"),
            ("hg16_gu", (16, 1024, 4), (32, 512, 4), {}, "gate_up"), ("hg16_dn", (16, 1024, 4), (32, 512, 4), {}, "down"))},
+    # fp16 mma.sync kernels with fp32 block scales (``fp4_moe_hmma``; its HMMA_CONFIG): hm = the default
+    # (4 warps, 2 chunks per lane and iteration, loop unrolled by two, maxnreg 168); _gu / _dn one kernel
+    # (gate/up includes the small activation prologue); pf2 = weights two iterations ahead (3 rotating
+    # buffers); n1 / n4 = 1 / 4 chunks per iteration (n4: maxnreg 232); r128 / rfree = register cap 128 /
+    # none (ptxas then issues the prefetch loads late); w2 = 2 warps (2x the programs); w8k2 = 8 warps,
+    # 2 per row (K split); na = weights loaded with .L1::no_allocate
+    **{name: dict(hmma_min_tokens=1, hmma_max_tokens=64, hmma=hcfg, **({"only": only} if only else {}))
+       for name, hcfg, only in (
+           ("hm", {}, None), ("hm_gu", {}, "gate_up"), ("hm_dn", {}, "down"),
+           ("hm_pf2", dict(prefetch=2), None),
+           ("hm_n1", dict(gate_up=dict(nsub=1), down=dict(nsub=1)), None),
+           ("hm_n4", dict(gate_up=dict(nsub=4), down=dict(nsub=4), maxnreg=232), None),
+           ("hm_r128", dict(maxnreg=128), None), ("hm_rfree", dict(maxnreg=None), None),
+           ("hm_w2", dict(gate_up=dict(num_warps=2), down=dict(num_warps=2)), None),
+           ("hm_w8k2", dict(gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)), None),
+           ("hm_na", dict(w_hint=".L1::no_allocate"), None))},
 }
 
 
@@ -569,7 +586,7 @@ def main():
             log(f"  row {json.dumps(row)}", file=logf)
             results.append(row)
             torch.cuda.empty_cache()
-        del W, hm
+        W = hm = None  # free the experts before the next format (closures above read W: no del)
         torch.cuda.empty_cache()
 
     log("", file=logf)

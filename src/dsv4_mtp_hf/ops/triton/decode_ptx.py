@@ -184,3 +184,20 @@ cvt.rn.f16x2.f32 $3, hb, ha;
 """
 HG_XCVT = ("{\n.reg .b32 x0, x1, x2, x3, a, b, la, ha, lb, hb;\nld.global.nc.v4.b32 {x0, x1, x2, x3}, [$4];\n"
            + HG_XCVT_BODY + "}\n")
+
+# The integer part of HG_WORD alone (the fp16 MMA kernels of ``fp4_moe_hmma``): word {q} -> the
+# fp16x2 pairs {p04} = (K0,K4), {p15} = (K1,K5), {p26} = (K2,K6), {p37} = (K3,K7), each weight the
+# e2m1 value times 2**-14 exactly; {t}, {zo}, {ze} are scratch.  Same 10 instructions as HG_WORD
+# (tests/test_fp4_moe_hmma.py checks that, and the bits of every byte value).
+HG_DECODE = """
+shf.r.wrap.b32 {t}, {q}, {q}, 3;
+lop3.b32 {zo}, {q}, {t}, 0x80808080, 0xE4;
+lop3.b32 {ze}, {q}, {t}, 0x08080808, 0xE4;
+and.b32 {p37}, {zo}, 0x8E008E00;
+shf.l.wrap.b32 {p15}, {zo}, {zo}, 8;
+and.b32 {p15}, {p15}, 0x8E008E00;
+shf.l.wrap.b32 {p26}, {ze}, {ze}, 4;
+and.b32 {p26}, {p26}, 0x8E008E00;
+shf.l.wrap.b32 {p04}, {ze}, {ze}, 12;
+and.b32 {p04}, {p04}, 0x8E008E00;
+"""

@@ -32,6 +32,7 @@ for E8M0 exponents 65..191; ``CONFIG["fold_mxfp4"]`` opts in).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -271,6 +272,14 @@ CONFIG = {
     "hgemv_min_tokens": 1,
     "hgemv_max_tokens": 0,
     "hgemv": None,
+    # From "hmma_min_tokens" to "hmma_max_tokens" tokens (checked before "hgemv_*" and "gemv_*")
+    # the gate/up and down kernels are the fp16 mma.sync kernels of ``fp4_moe_hmma`` (exact
+    # products, fp32 block scales and sums, ~1.8 SASS instructions per weight); "hmma" overrides
+    # ``fp4_moe_hmma.HMMA_CONFIG``.  Off by default: not yet checked or timed on the GPU.  Needs a
+    # finite swiglu_limit (else these T take the other paths).
+    "hmma_min_tokens": 1,
+    "hmma_max_tokens": 0,
+    "hmma": None,
 }
 
 
@@ -315,10 +324,15 @@ def _fp4_moe_triton(
     is_nv = f.name == "nvfp4"
     fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
-    for key in ("hgemv", "gemv"):  # the GEMV variants, where CONFIG routes this T to one
+    for key in ("hmma", "hgemv", "gemv"):  # the opt-in variants, where CONFIG routes this T to one
         if "gate_up" in cfg or not cfg.get(f"{key}_min_tokens", 1) <= t <= cfg.get(f"{key}_max_tokens", 0):
             continue
-        if key == "hgemv":
+        if key == "hmma":
+            from . import fp4_moe_hmma as mod
+
+            base, launch, extra = mod.HMMA_CONFIG, mod.launch_hmma, {}
+            supports = functools.partial(mod.hmma_supports, limit=swiglu_limit)
+        elif key == "hgemv":
             from . import fp4_moe_hgemv as mod
 
             base, supports, launch, extra = mod.HGEMV_CONFIG, mod.hgemv_supports, mod.launch_hgemv, {}
