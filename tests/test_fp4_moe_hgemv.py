@@ -270,21 +270,13 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     from dsv4_mtp_hf import fp4
     from dsv4_mtp_hf.ops.triton import fp4_moe_hgemv as hg
     from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+    from tests.test_fp4_moe_op import make_experts
     seed = random.SystemRandom().randrange(2**31)
     g = torch.Generator().manual_seed(seed)
     L = 10.0
 
-    def experts(E, D, I, fmt):
-        w13 = torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, generator=g)
-        w2 = torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, generator=g)
-        G = fp4.get_format(fmt).group_size
-        if fmt == "nvfp4":
-            sc = lambda *s: (torch.rand(s, generator=g) * 7 + 1).to(torch.float8_e4m3fn).view(torch.uint8)
-            return (w13, sc(E, 2 * I, D // G), (torch.rand(E, 2, generator=g) + 1) * 0.3 / D**0.5,
-                    w2, sc(E, D, I // G), (torch.rand(E, generator=g) + 1) * 0.02 / I**0.5)
-        s13 = torch.randint(122, 125, (E, 2 * I, D // G), dtype=torch.uint8, generator=g)
-        s2 = torch.randint(116, 119, (E, D, I // G), dtype=torch.uint8, generator=g)
-        return w13, s13, torch.ones(E, 2), w2, s2, torch.ones(E)
+    def experts(E, D, I, fmt):  # the GPU tests' packed experts, from this run's generator
+        return make_experts(E, D, I, fmt, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
 
     def exact(x, ids, rw, W, fmt):
         w13, s13, g13, w2, s2, g2 = W
