@@ -21,7 +21,8 @@ from dsv4_mtp_hf import fp4
 from dsv4_mtp_hf.ops.triton import decode_ptx
 
 from .helpers import run_under_triton_interpreter
-from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, make_experts, make_inputs, rel_err
+from .test_fp4_moe_op import (LIMIT, SHAPES, _reference_f64_gpu, check_graph_replay, make_experts, make_inputs,
+                              rel_err)
 
 # ----------------------------------------------------------------------------- fp16 / PTX model
 def _f16_value(bits: int) -> Fraction:
@@ -419,29 +420,5 @@ def test_hgemv_activation_magnitudes(fmt, scale, cfg):
 def test_hgemv_cuda_graph_replay(fmt):
     from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
 
-    E, D, I = SHAPES["flash"]
-    seed = _fresh_seed()
-    W = make_experts(E, D, I, fmt, device="cuda", seed=seed)
-    x, ids, rw = make_inputs(4, E, 6, D, device="cuda", seed=seed + 1)
-    out = torch.full_like(x, float("nan"))
     cfg = dict(hgemv_min_tokens=1, hgemv_max_tokens=64)
-
-    def step():
-        out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=cfg))
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for i in range(3):  # new inputs into the captured buffers
-        x2, ids2, rw2 = make_inputs(4, E, 6, D, device="cuda", seed=seed + 2 + i)
-        x.copy_(x2), ids.copy_(ids2), rw.copy_(rw2)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), seed
-        assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2, seed
+    check_graph_replay(lambda *args: fp4_moe_triton(*args, config=cfg), fmt, _fresh_seed())

@@ -23,7 +23,8 @@ from dsv4_mtp_hf.ops.triton import decode_ptx, mma_ptx
 
 from .helpers import run_under_triton_interpreter
 from .test_fp4_moe_hgemv import _e2m1_f16, _f16_value, _f32_bits, _f32_value, _words, run_ptx
-from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, make_experts, make_inputs, rel_err
+from .test_fp4_moe_op import (LIMIT, SHAPES, _reference_f64_gpu, check_graph_replay, make_experts, make_inputs,
+                              rel_err)
 
 PAIR_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # K index at each position of an 8-group in the activation buffers
 
@@ -460,31 +461,7 @@ def test_hmma_fp16_subnormal_weights(fmt):
 def test_hmma_cuda_graph_replay(fmt):
     from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
 
-    E, D, I = SHAPES["flash"]
-    seed = _fresh_seed()
-    W = make_experts(E, D, I, fmt, device="cuda", seed=seed)
-    x, ids, rw = make_inputs(4, E, 6, D, device="cuda", seed=seed + 1)
-    out = torch.full_like(x, float("nan"))
-
-    def step():
-        out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=ROUTE))
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for i in range(3):  # new inputs into the captured buffers
-        x2, ids2, rw2 = make_inputs(4, E, 6, D, device="cuda", seed=seed + 2 + i)
-        x.copy_(x2), ids.copy_(ids2), rw.copy_(rw2)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), seed
-        assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2, seed
+    check_graph_replay(lambda *args: fp4_moe_triton(*args, config=ROUTE), fmt, _fresh_seed())
 
 
 @pytest.mark.gpu
