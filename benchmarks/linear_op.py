@@ -45,6 +45,26 @@ from dsv4_mtp_hf.ops.skinny_linear import mtp_dense_shapes, skinny_linear_op, sk
 import draft_step as ds  # noqa: E402  (the random V4-Flash pair, timing and copy-bandwidth helpers)
 
 
+def graph_replay_us(fn, iters: int, before=None) -> tuple[float, torch.cuda.CUDAGraph]:
+    """``fn`` (warmed up once) captured in a CUDA graph; median µs of ``iters`` replays timed with
+    CUDA events, ``before()`` (e.g. an L2 flush) run untimed ahead of each; and the graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        if before is not None:
+            before()
+        a.record(); g.replay(); b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3, g
+
+
 class Timer:
     """``flush="write"`` (the 2026-11-30 numbers): a 256 MiB memset before each replay; it leaves
     the L2 full of dirty lines whose write-back the timed kernels then share (a fixed cost of
@@ -64,20 +84,7 @@ class Timer:
 
     def graphed_us(self, fn) -> float:
         """Median µs of ``fn`` captured in a CUDA graph, each replay after an L2 flush."""
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
-        for a, b in ev:
-            self._flush()
-            a.record(); g.replay(); b.record()
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+        return graph_replay_us(fn, self.iters, before=self._flush)[0]
 
 
 def ours_fn(x, ws, groups, config=None):
@@ -147,7 +154,7 @@ def sweep(args):
                   f"{best[0]:7.2f} us ({100 * floor_us / best[0]:5.1f}%) [{best[1].block_n}, {best[1].block_k}, "
                   f"{best[1].split}, {best[1].num_warps}, {best[1].num_stages}]  all: "
                   + " ".join(f"{t:.1f}" for t, _ in res), flush=True)
-        del ws
+        ws = None  # free the weight copies (the timing closure above reads ws: no del)
     if args.out:
         with open(os.path.join(args.out, "linear_op_sweep.json"), "w") as f:
             json.dump(dict(copy_bw=bw, sweeps=out), f, indent=2)
@@ -207,21 +214,7 @@ def stream(args):
                 ref = call(ws[0], base).float()
                 err = float((call(ws[0]).float() - ref).norm() / ref.norm())
                 calls = 2 * copies
-                g = torch.cuda.CUDAGraph()
-                for i in range(calls):
-                    call(ws[i % copies])
-                torch.cuda.synchronize()
-                with torch.cuda.graph(g):
-                    for i in range(calls):
-                        call(ws[i % copies])
-                for _ in range(3):
-                    g.replay()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
-                for a, b in ev:
-                    a.record(); g.replay(); b.record()
-                torch.cuda.synchronize()
-                us = statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / calls
-                del g
+                us = graph_replay_us(lambda: [call(ws[i % copies]) for i in range(calls)], args.iters)[0] / calls
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
                 print(f"  {name} {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
@@ -230,7 +223,7 @@ def stream(args):
                             cfg=[c.block_n, c.block_k, c.split, c.num_warps, c.num_stages]))
             print(f"{name:<28} {label:<9} {us:7.2f} us  {mb / us:5.2f} TB/s  ({100 * floor / us:5.1f}% of copy)  "
                   f"err vs default {err:.1e}  cfg {out[-1]['cfg']}", flush=True)
-        del ws
+        ws = None  # free the weight copies (the timing closure above reads ws: no del)
         torch.cuda.empty_cache()
     if args.out:
         with open(os.path.join(args.out, "linear_op_stream.json"), "w") as f:
@@ -260,19 +253,8 @@ def lm_head(args):
         for name, fn in variants.items():
             got = fn()
             err = float((got.float().reshape(want.shape) - want).norm() / want.norm())
-            g = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                for _ in range(4):
-                    fn()
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
-            for a, b in ev:
-                a.record(); g.replay(); b.record()
-            torch.cuda.synchronize()
-            us = statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / 4
+            us, g = graph_replay_us(lambda: [fn() for _ in range(4)], args.iters)
+            us /= 4
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 g.replay()
                 torch.cuda.synchronize()
@@ -399,7 +381,7 @@ def main():
             rows.append(row)
             print(f"{name:<22} M={m:<3} ours {t_ours:7.2f} us ({100 * row['ours_copy']:5.1f}%)  torch {t_torch:7.2f} us "
                   f"({100 * row['torch_copy']:5.1f}%)  x{row['speedup']:.2f}  err {rel:.1e}  cfg {row['config']}", flush=True)
-        del ws
+        ws = None  # free the weight copies (the timing closure above reads ws: no del)
         torch.cuda.empty_cache()
 
     wired = ("wq_a+wkv", "wq_b", "wo_a (grouped)", "wo_b", "shared w1+w3", "shared w2")
