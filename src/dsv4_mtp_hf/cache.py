@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from .ops.paged_cache import FAR_PAST, paged_kv_update
+from .ops.paged_cache import gather_held, paged_kv_update, ring_slots
 
 
 class MtpKVCache:
@@ -156,10 +156,8 @@ class PagedMtpKVCache:
     # -- the MTP attention's interface ------------------------------------------------------------
     def _rows(self, positions: torch.Tensor, block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Absolute positions ``[B, L]`` -> (page ids, row in page) of each sequence's ring."""
-        slot = positions % self.capacity
         table = self.block_table if block_table is None else block_table
-        page = table.gather(1, slot // self.page_size)
-        return page, slot % self.page_size
+        return ring_slots(positions, table, self.page_size, self.capacity)
 
     @contextlib.contextmanager
     def ragged(self, rows: torch.Tensor | None = None, num_new: torch.Tensor | None = None):
@@ -197,11 +195,7 @@ class PagedMtpKVCache:
         if bool((num_new > s).any()):
             raise ValueError(f"`num_new` {num_new.tolist()} exceeds the {s} rows of the forward.")
         table, start = self.block_table[rows], self.seq_lengths[rows].unsqueeze(1)
-        hist = self.sliding_window - 1
-        past = start - hist + torch.arange(hist, device=kv.device)
-        page, row = self._rows(past.clamp(min=0), table)
-        held = self.pool[page, row].to(kv.dtype)
-        past = torch.where(past >= 0, past, torch.full_like(past, FAR_PAST))
+        held, past = gather_held(self.pool, table, start, self.sliding_window - 1, self.capacity, kv.dtype)
         i = torch.arange(s, device=kv.device)
         new_pos = start + i
         # Real rows only, and of a long prefill only the last `capacity` (distinct ring slots).

@@ -37,9 +37,18 @@ def check_paged_kv_update_inputs(pool, block_table, seq_lengths, kv, hist: int, 
         raise ValueError("seq_lengths and block_table must be int64.")
 
 
-def _ring(positions, block_table, page_size: int, capacity: int):
+def ring_slots(positions, block_table, page_size: int, capacity: int):
+    """Absolute positions ``[B, L]`` -> (page ids, row in page) of each sequence's ring."""
     slot = positions % capacity
     return block_table.gather(1, slot // page_size), slot % page_size
+
+
+def gather_held(pool, block_table, start, hist: int, capacity: int, dtype):
+    """The ``hist`` positions before ``start [B, 1]``: (keys ``[B, hist, d]`` in ``dtype``, their
+    positions ``[B, hist]``; rows before a sequence's start read slot 0's and get ``FAR_PAST``)."""
+    past = start - hist + torch.arange(hist, device=start.device)
+    page, row = ring_slots(past.clamp(min=0), block_table, pool.shape[1], capacity)
+    return pool[page, row].to(dtype), torch.where(past >= 0, past, torch.full_like(past, FAR_PAST))
 
 
 def paged_kv_update_reference(pool, block_table, seq_lengths, kv, hist: int, capacity: int):
@@ -47,17 +56,13 @@ def paged_kv_update_reference(pool, block_table, seq_lengths, kv, hist: int, cap
     rows into the ring at positions ``seq_lengths[b] + i`` (slot ``pos % capacity``, page
     ``block_table[b, slot // page_size]``).  Held rows before a sequence's start get position
     ``FAR_PAST``; a prefill longer than the ring only leaves its last rows there."""
-    b, s, _ = kv.shape
-    page_size = pool.shape[1]
+    s = kv.shape[1]
     start = seq_lengths.unsqueeze(1)
-    past = start - hist + torch.arange(hist, device=kv.device)  # [B, hist]
-    page, row = _ring(past.clamp(min=0), block_table, page_size, capacity)
-    held = pool[page, row].to(kv.dtype)
-    past = torch.where(past >= 0, past, torch.full_like(past, FAR_PAST))
+    held, past = gather_held(pool, block_table, start, hist, capacity, kv.dtype)
     new_pos = start + torch.arange(s, device=kv.device)  # [B, S]
     keys, positions = torch.cat([held, kv], dim=1), torch.cat([past, new_pos], dim=1)
     keep = min(s, capacity)
-    page, row = _ring(new_pos[:, s - keep :], block_table, page_size, capacity)
+    page, row = ring_slots(new_pos[:, s - keep :], block_table, pool.shape[1], capacity)
     pool[page, row] = kv[:, s - keep :].to(pool.dtype)
     return keys, positions
 
