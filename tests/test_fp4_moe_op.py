@@ -105,6 +105,8 @@ def test_input_validation():
         check_fp4_moe_inputs(x, ids, rw, *W, "fp4x")
     with pytest.raises(ValueError, match="must both be"):
         check_fp4_moe_inputs(x, ids[:1], rw[:1], *W, "nvfp4")
+    with pytest.raises(TypeError, match="integer expert ids"):
+        check_fp4_moe_inputs(x, ids.float(), rw, *W, "nvfp4")
     bad = list(W)
     bad[0] = bad[0].view(torch.int8)
     with pytest.raises(TypeError, match="uint8"):
@@ -247,6 +249,9 @@ def test_triton_matches_f64(fmt, shape, T, k):
     assert torch.equal(out, direct)  # the op is registered for CUDA and deterministic
     assert rel_err(out, want) < 1e-2
     assert rel_err(mma, want) < 1e-2
+    # the router's int64 ids go to the kernels as they are (no conversion): same bits
+    assert torch.equal(fp4_moe(x, ids.long(), rw, *W, fmt, LIMIT), out)
+    assert torch.equal(fp4_moe_triton(x, ids.long(), rw, *W, fmt, LIMIT, config=dict(mma_max_tokens=64)), mma)
 
 
 @pytest.mark.gpu

@@ -77,6 +77,8 @@ def check_fp4_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_global, 
         raise ValueError(f"{fmt} scale shapes {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} do not match the weights.")
     if w13_global.shape != (e, 2) or w2_global.shape != (e,):
         raise ValueError(f"global scales must be [E, 2] and [E], got {tuple(w13_global.shape)}, {tuple(w2_global.shape)}.")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must hold integer expert ids (int32 or int64), got {topk_ids.dtype}.")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must both be [T={t}, k].")
 

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ... import fp4
 from .mma_ptx import CONSTRAINTS, mma_asm
-from .moe_pairs import _expert_rows, _sum_kernel
+from .moe_pairs import _expert_rows, _sum_kernel, flat_ids
 
 _C = tl.constexpr(CONSTRAINTS)
 _NV0 = tl.constexpr(mma_asm("nvfp4", 0))
@@ -384,7 +384,7 @@ def fp4_moe_mma(
     if not mma_supports(d, inter, cfg):
         raise ValueError(f"fp4_moe_mma needs hidden/intermediate sizes that are multiples of 512, got {d}/{inter}.")
     x_c = x.contiguous()
-    ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    ids = flat_ids(topk_ids)
     rw = topk_weights.to(torch.float32).contiguous().view(-1)
     act = torch.empty(p, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.float32, device=x.device)

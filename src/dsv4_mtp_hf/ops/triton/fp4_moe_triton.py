@@ -43,7 +43,7 @@ from ... import fp4
 from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 from .fp4_moe_mma import fp4_moe_mma, mma_supports
-from .moe_pairs import _expert_rows, _sum_kernel
+from .moe_pairs import _expert_rows, _sum_kernel, flat_ids
 
 # The PTX decode (e2m1 nibbles -> bf16 bits) lives in ``decode_ptx`` (no Triton import, so
 # CPU CI checks its constants bit for bit: tests/test_fp4_moe_op.py).
@@ -317,7 +317,7 @@ def _fp4_moe_triton(
     if p == 0:
         return out.zero_()
     x_c = x.contiguous()
-    ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    ids = flat_ids(topk_ids)
     rw = topk_weights.to(torch.float32).contiguous().view(-1)
     act = torch.empty(p, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(p, d, dtype=torch.float32, device=x.device)

@@ -5,8 +5,18 @@ A pair is one (token, chosen expert) entry of the flattened ``topk_ids``; each e
 ``P`` ids (no sort kernel), and the per-pair outputs are summed per token in a fixed order.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """``topk_ids [T, k]`` (integers, checked by ``check_fp4_moe_inputs``) as the kernels' flat
+    ``[P]`` ids: int32 and int64 as they are (the router's int64 ids cost no conversion
+    kernel), other integer types converted."""
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        topk_ids = topk_ids.to(torch.int32)
+    return topk_ids.contiguous().view(-1)
 
 
 @triton.jit
