@@ -13,26 +13,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.skinny_linear import skinny_linear, skinny_linear_cat, skinny_linear_sum, use_skinny
+from ..ops.skinny_linear import linear_weights, skinny_linear_sum, use_skinny
 
 
-def _plain(m: nn.Module) -> bool:
-    return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+def unhooked(m: nn.Module) -> bool:
+    """No forward hooks and no per-instance ``forward`` (accelerate's offload hooks replace it):
+    calling the module's math directly skips nothing."""
+    return not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """An unhooked bias-free ``nn.Linear`` (not an adapter or quantised layer): its weight is all it computes."""
+    return type(m) is nn.Linear and m.bias is None and unhooked(m)
 
 
 def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether :func:`project` takes the fused CUDA path for ``x`` and ``linears``."""
-    return len(linears) <= 2 and all(_plain(m) for m in linears) and use_skinny(x, *(m.weight for m in linears))
+    return len(linears) <= 2 and all(plain_linear(m) for m in linears) and use_skinny(x, *(m.weight for m in linears))
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``linear(x)`` for each module (a tuple when several, the tensor when one)."""
-    if not skinny_ready(x, *linears):
-        out = tuple(m(x) for m in linears)
-    elif len(linears) == 1:
-        out = (skinny_linear(x, linears[0].weight),)
-    else:
-        out = tuple(skinny_linear_cat(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
+    if len(linears) <= 2 and all(plain_linear(m) for m in linears):
+        return linear_weights(x, *(m.weight for m in linears))
+    out = tuple(m(x) for m in linears)
     return out[0] if len(out) == 1 else out
 
 

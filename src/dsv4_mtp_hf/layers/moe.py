@@ -7,7 +7,8 @@ from torch import nn
 from .. import fp4
 from ..ops.fp4_moe import clamped_swiglu, fp4_moe
 from ..ops.moe_route import moe_route
-from .linear import project
+from ..ops.moe_with_shared import fp4_moe_with_shared
+from .linear import plain_linear, project, unhooked
 
 
 class Router(nn.Module):
@@ -99,6 +100,16 @@ class SharedExpert(nn.Module):
         gate, up = project(x, self.gate_proj, self.up_proj)  # one launch on CUDA for a few rows
         return project(clamped_swiglu(gate, up, self.limit).to(x.dtype), self.down_proj)
 
+    def plain_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(w1, w3, w2)`` when the expert is three plain bias-free ``nn.Linear`` and no gradient
+        is wanted (``ops.moe_with_shared.shared_expert`` then computes exactly this module), else None."""
+        mods = (self.gate_proj, self.up_proj, self.down_proj)
+        if not (unhooked(self) and all(plain_linear(m) for m in mods)):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in mods)):
+            return None
+        return tuple(m.weight for m in mods)
+
 
 class MtpMoE(nn.Module):
     def __init__(self, config):
@@ -110,6 +121,16 @@ class MtpMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
         weights, ids = self.gate(flat)
+        shared = None
+        if self.shared_experts is not None and h.is_cuda and unhooked(self.experts):
+            shared = self.shared_experts.plain_weights(flat)
+        if shared is not None:  # CUDA: the shared expert overlaps the routed kernels (same values)
+            e = self.experts
+            routed, shared = fp4_moe_with_shared(
+                flat, ids, weights.float(), e.w13_weight, e.w13_scale, e.w13_global, e.w2_weight, e.w2_scale,
+                e.w2_global, e.format.name, e.swiglu_limit, *shared,
+            )
+            return (routed + shared).view_as(h)
         out = self.experts(flat, weights, ids).view_as(h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(h)

@@ -183,6 +183,19 @@ def use_skinny(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 
 
+def linear_weights(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``F.linear(x, w)`` for each bias-free weight (a tuple when several, the tensor when one):
+    one or two weights in one ``skinny_linear`` / ``skinny_linear_cat`` launch where
+    :func:`use_skinny` holds, ``F.linear`` per weight otherwise (same dot products either way)."""
+    if len(weights) > 2 or not use_skinny(x, *weights):
+        out = tuple(F.linear(x, w) for w in weights)
+    elif len(weights) == 1:
+        out = (skinny_linear(x, weights[0]),)
+    else:
+        out = tuple(skinny_linear_cat(x, weights).split([w.shape[0] for w in weights], -1))
+    return out[0] if len(out) == 1 else out
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """``x [..., G*K]`` x ``weight [N, K]`` -> ``[..., N]`` through ``dsv4_mtp::skinny_linear``
     (any leading dims; the op sees ``[M, G*K]``)."""
