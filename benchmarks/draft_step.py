@@ -203,11 +203,11 @@ def hand_written_kernels(on: bool):
 
 @contextlib.contextmanager
 def sequential_moe():
-    """``dsv4_mtp::fp4_moe_with_shared`` without its side stream: the shared expert after the
-    routed kernels on one stream (graphs captured inside keep it)."""
+    """``dsv4_mtp::mtp_moe`` without its side stream: the shared expert after the router and
+    the routed kernels on one stream (graphs captured inside keep it)."""
     import importlib
 
-    mod = importlib.import_module("dsv4_mtp_hf.ops.moe_with_shared")
+    mod = importlib.import_module("dsv4_mtp_hf.ops.mtp_moe")
     saved, mod.use_side_stream = mod.use_side_stream, False
     try:
         yield
@@ -226,7 +226,7 @@ def reference_experts(mtp):
                                  ex.w2_weight, ex.w2_scale, ex.w2_global, ex.format.name, ex.swiglu_limit)
 
     # An instance-level forward, as accelerate's hooks set: the MoE layer then calls the module
-    # (not the fused routed + shared op), so the reference math really runs.
+    # (not ``dsv4_mtp::mtp_moe``), so the reference math really runs.
     ex.forward = reference_moe
     try:
         yield

@@ -7,7 +7,7 @@ from torch import nn
 from .. import fp4
 from ..ops.fp4_moe import clamped_swiglu, fp4_moe
 from ..ops.moe_route import moe_route
-from ..ops.moe_with_shared import fp4_moe_with_shared
+from ..ops.mtp_moe import mtp_moe
 from .linear import plain_linear, project, unhooked
 
 
@@ -102,7 +102,7 @@ class SharedExpert(nn.Module):
 
     def plain_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(w1, w3, w2)`` when the expert is three plain bias-free ``nn.Linear`` and no gradient
-        is wanted (``ops.moe_with_shared.shared_expert`` then computes exactly this module), else None."""
+        is wanted (``ops.mtp_moe.shared_expert`` then computes exactly this module), else None."""
         mods = (self.gate_proj, self.up_proj, self.down_proj)
         if not (unhooked(self) and all(plain_linear(m) for m in mods)):
             return None
@@ -120,18 +120,27 @@ class MtpMoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
-        weights, ids = self.gate(flat)
-        shared = None
-        if self.shared_experts is not None and h.is_cuda and unhooked(self.experts):
-            shared = self.shared_experts.plain_weights(flat)
-        if shared is not None:  # CUDA: the shared expert overlaps the routed kernels (same values)
-            e = self.experts
-            routed, shared = fp4_moe_with_shared(
-                flat, ids, weights.float(), e.w13_weight, e.w13_scale, e.w13_global, e.w2_weight, e.w2_scale,
-                e.w2_global, e.format.name, e.swiglu_limit, *shared,
+        shared = self._overlap_weights(flat)
+        if shared is not None:  # CUDA: the shared expert overlaps the router and routed kernels (same values)
+            g, e = self.gate, self.experts
+            routed, shared = mtp_moe(
+                flat, g.weight, g.e_score_correction_bias, g.top_k, g.routed_scaling_factor, g.norm_topk_prob,
+                e.w13_weight, e.w13_scale, e.w13_global, e.w2_weight, e.w2_scale, e.w2_global, e.format.name,
+                e.swiglu_limit, *shared,
             )
             return (routed + shared).view_as(h)
+        weights, ids = self.gate(flat)
         out = self.experts(flat, weights, ids).view_as(h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(h)
         return out
+
+    def _overlap_weights(self, flat: torch.Tensor):
+        """The shared expert's weights when ``dsv4_mtp::mtp_moe`` computes exactly what the modules
+        would: CUDA, a shared expert, no hooks or replaced forwards on the router or the experts
+        (a hook must still fire), no gradient wanted; None otherwise (the modules run)."""
+        if self.shared_experts is None or not flat.is_cuda or not (unhooked(self.gate) and unhooked(self.experts)):
+            return None
+        if torch.is_grad_enabled() and (flat.requires_grad or self.gate.weight.requires_grad):
+            return None
+        return self.shared_experts.plain_weights(flat)

@@ -4,7 +4,7 @@ from .argmax import argmax_last
 from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_cuda_kernels
 from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
 from .moe_route import moe_route, moe_route_reference
-from .moe_with_shared import fp4_moe_with_shared, shared_expert
+from .mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
 from .sinkhorn import sinkhorn, sinkhorn_op, sinkhorn_reference
 from .skinny_linear import (
     skinny_linear,
@@ -21,7 +21,7 @@ from .skinny_linear import (
 __all__ = [
     "argmax_last", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
-    "fp4_moe_with_shared", "shared_expert",
+    "clamped_swiglu_op", "mtp_moe", "shared_expert",
     "sinkhorn", "sinkhorn_op", "sinkhorn_reference", "skinny_linear", "skinny_linear_cat", "skinny_linear_cat_op",
     "skinny_linear_cat_reference", "skinny_linear_op", "skinny_linear_reference", "skinny_linear_sum",
     "skinny_linear_sum_op", "skinny_linear_sum_reference",

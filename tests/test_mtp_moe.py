@@ -1,0 +1,174 @@
+"""``dsv4_mtp::mtp_moe`` (router + routed FP4 experts + shared expert, the shared expert on a side
+stream on CUDA) and ``dsv4_mtp::clamped_swiglu``.  CPU: the op is the layer's module math, bad
+shapes are named, trainable or hooked experts keep the module path.  GPU: the overlapped op
+equals the sequential one bit for bit, eagerly, compiled and replayed from a CUDA graph; the
+layer's op path matches its module path; the SwiGLU kernel matches the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_mtp_hf import DeepseekV4MtpConfig
+from dsv4_mtp_hf.layers.moe import MtpMoE, SharedExpert
+from dsv4_mtp_hf.ops import mtp_moe as mtp_moe_module
+from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu
+from dsv4_mtp_hf.ops.mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
+
+from .helpers import randomize_, tiny_target_config
+
+
+def make_moe(device="cpu", seed=0, **overrides) -> MtpMoE:
+    """A random MtpMoE in bf16 (FP4 experts packed from random dense weights)."""
+    torch.manual_seed(seed)
+    config = DeepseekV4MtpConfig.from_target_config(tiny_target_config(**overrides), expert_format="nvfp4")
+    moe = MtpMoE(config)
+    randomize_(moe, torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        e = moe.experts
+        for i in range(e.num_experts):
+            w13 = torch.randn(2 * e.intermediate_size, e.hidden_size) / e.hidden_size**0.5
+            e.set_expert(i, w13[: e.intermediate_size], w13[e.intermediate_size :],
+                         torch.randn(e.hidden_size, e.intermediate_size) / e.intermediate_size**0.5)
+        moe.gate.e_score_correction_bias.normal_(0, 0.1)
+    return moe.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def op_args(moe: MtpMoE, x: torch.Tensor) -> tuple:
+    g, e, s = moe.gate, moe.experts, moe.shared_experts
+    return (x, g.weight, g.e_score_correction_bias, g.top_k, g.routed_scaling_factor, g.norm_topk_prob,
+            e.w13_weight, e.w13_scale, e.w13_global, e.w2_weight, e.w2_scale, e.w2_global, e.format.name,
+            e.swiglu_limit, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+
+
+@torch.no_grad()
+def test_op_is_the_layer_module_math_on_cpu():
+    moe = make_moe(seed=3)
+    x = torch.randn(5, moe.gate.weight.shape[1], dtype=torch.bfloat16)
+    routed, shared = mtp_moe(*op_args(moe, x))
+    weights, ids = moe.gate(x)
+    assert routed.dtype == shared.dtype == x.dtype
+    assert torch.equal(routed, moe.experts(x, weights, ids))
+    assert torch.equal(shared, moe.shared_experts(x))
+    assert torch.equal(routed + shared, moe(x.unsqueeze(0)).squeeze(0))  # CPU: the layer runs its modules
+    s = moe.shared_experts
+    assert torch.equal(shared_expert(x, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, s.limit), shared)
+
+
+def test_clamped_swiglu_op_on_cpu():
+    gate_up = torch.randn(3, 2, 64) * 8  # some values beyond the limit
+    out = clamped_swiglu_op(gate_up.bfloat16(), 10.0)
+    assert out.shape == (3, 2, 32) and out.dtype == torch.bfloat16
+    assert torch.equal(out, clamped_swiglu(gate_up[..., :32].bfloat16(), gate_up[..., 32:].bfloat16(), 10.0).bfloat16())
+    with pytest.raises(ValueError, match="halves of one width"):
+        clamped_swiglu_op(torch.randn(2, 5), 10.0)
+
+
+def test_op_names_bad_shapes():
+    moe = make_moe()
+    x = torch.randn(2, moe.gate.weight.shape[1], dtype=torch.bfloat16)
+    args = list(op_args(moe, x))
+    bad = list(args)
+    bad[1] = args[1][:, :-1]
+    with pytest.raises(ValueError, match="router weight"):
+        mtp_moe(*bad)
+    bad = list(args)
+    bad[15] = args[15][:-1]
+    with pytest.raises(ValueError, match="shared expert weights"):
+        mtp_moe(*bad)
+    bad = list(args)
+    bad[16] = args[16].t().contiguous()
+    with pytest.raises(ValueError, match="shared expert weights"):
+        mtp_moe(*bad)
+    bad = list(args)
+    bad[0] = x.unsqueeze(0)
+    with pytest.raises(ValueError, match=r"\[T, D\]"):
+        mtp_moe(*bad)
+
+
+def test_shared_expert_offers_its_weights_only_when_plain_and_untrained():
+    s = SharedExpert(DeepseekV4MtpConfig.from_target_config(tiny_target_config())).to(torch.bfloat16)
+    x = torch.randn(3, s.gate_proj.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert [w.data_ptr() for w in s.plain_weights(x)] == [
+            m.weight.data_ptr() for m in (s.gate_proj, s.up_proj, s.down_proj)]
+    assert s.plain_weights(x) is None  # grad enabled and the weights require it: autograd needs the modules
+    with torch.no_grad():
+        h = s.down_proj.register_forward_hook(lambda *a: None)
+        assert s.plain_weights(x) is None  # a hook must still fire
+        h.remove()
+        s.up_proj.forward = s.up_proj.forward  # an instance-level forward (accelerate's offload hooks)
+        assert s.plain_weights(x) is None
+
+
+# V4-Flash expert sizes, fewer experts (the Triton MoE kernels need multiples of 256)
+FLASH = dict(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=16, num_experts_per_tok=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16])
+@torch.no_grad()
+def test_overlapped_op_equals_sequential_on_cuda(T, monkeypatch):
+    moe = make_moe("cuda", seed=T, **FLASH)
+    x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+    out = mtp_moe(*op_args(moe, x))
+    monkeypatch.setattr(mtp_moe_module, "use_side_stream", False)
+    seq = mtp_moe(*op_args(moe, x))
+    torch.cuda.synchronize()
+    for got, want in zip(out, seq):
+        assert not torch.isnan(got).any() and got.abs().max() > 0
+        assert torch.equal(got, want)  # the same kernels, only the launch order differs
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_layer_op_path_matches_its_module_path_on_cuda():
+    moe = make_moe("cuda", seed=5, **FLASH)
+    h = torch.randn(4, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    fast = moe(h)
+    hook = moe.gate.register_forward_hook(lambda *a: None)  # a hooked router: the modules run
+    modules = moe(h)
+    hook.remove()
+    # the shared SwiGLU is one Triton kernel in the op, PyTorch's kernels in the module: an ulp apart at most
+    err = (fast.float() - modules.float()).norm() / modules.float().norm()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_overlapped_op_compiled_and_graph_replayed():
+    moe = make_moe("cuda", seed=7, **FLASH)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def layer_sum(x):
+        routed, shared = mtp_moe(*op_args(moe, x))
+        return routed + shared  # the layer's add (fused into the next kernel when compiled)
+
+    step = torch.compile(layer_sum, fullgraph=True)
+    out = torch.full_like(x, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            out.copy_(step(x))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(step(x))
+    for _ in range(2):  # new inputs into the captured buffer
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer_sum(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,i", [(1, 2048), (16, 2048), (3, 1000)])
+def test_swiglu_kernel_matches_reference(rows, i):
+    gate_up = (torch.randn(rows, 2 * i, device="cuda") * 8).bfloat16()  # a few per cent beyond the limit
+    gate_up[0, 0] = float("nan")
+    got = clamped_swiglu_op(gate_up, 10.0)
+    want = clamped_swiglu(gate_up[:, :i], gate_up[:, i:], 10.0)
+    assert got.dtype == torch.bfloat16 and torch.isnan(got[0, 0])
+    torch.testing.assert_close(got[:, 1:].float(), want[:, 1:], rtol=8e-3, atol=1e-5)
