@@ -6,32 +6,38 @@ layer's op path matches its module path; the SwiGLU kernel matches the reference
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from dsv4_mtp_hf import DeepseekV4MtpConfig
 from dsv4_mtp_hf.layers.moe import MtpMoE, SharedExpert
-from dsv4_mtp_hf.ops import mtp_moe as mtp_moe_module
 from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu
 from dsv4_mtp_hf.ops.mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
 
 from .helpers import randomize_, tiny_target_config
+from .test_fp4_moe_op import make_experts
+
+mtp_moe_module = importlib.import_module("dsv4_mtp_hf.ops.mtp_moe")  # the module (the package exports the op)
 
 
 def make_moe(device="cpu", seed=0, **overrides) -> MtpMoE:
-    """A random MtpMoE in bf16 (FP4 experts packed from random dense weights)."""
+    """A random MtpMoE in bf16: random packed FP4 experts (``make_experts``: codes and scales drawn
+    on the device, no CPU quantisation of V4-sized matrices), random dense parts."""
     torch.manual_seed(seed)
     config = DeepseekV4MtpConfig.from_target_config(tiny_target_config(**overrides), expert_format="nvfp4")
     moe = MtpMoE(config)
     randomize_(moe, torch.Generator().manual_seed(seed + 1))
+    moe = moe.to(device=device, dtype=torch.bfloat16).eval()
+    e = moe.experts
+    packed = make_experts(e.num_experts, e.hidden_size, e.intermediate_size, "nvfp4", device=device, seed=seed)
     with torch.no_grad():
-        e = moe.experts
-        for i in range(e.num_experts):
-            w13 = torch.randn(2 * e.intermediate_size, e.hidden_size) / e.hidden_size**0.5
-            e.set_expert(i, w13[: e.intermediate_size], w13[e.intermediate_size :],
-                         torch.randn(e.hidden_size, e.intermediate_size) / e.intermediate_size**0.5)
+        for buf, val in zip((e.w13_weight, e.w13_scale, e.w13_global_bits, e.w2_weight, e.w2_scale, e.w2_global_bits),
+                            packed):
+            buf.copy_(val.view(torch.int32) if buf.dtype == torch.int32 else val)
         moe.gate.e_score_correction_bias.normal_(0, 0.1)
-    return moe.to(device=device, dtype=torch.bfloat16).eval()
+    return moe
 
 
 def op_args(moe: MtpMoE, x: torch.Tensor) -> tuple:
@@ -107,10 +113,12 @@ FLASH = dict(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=16, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("priority", [True, False])
 @torch.no_grad()
-def test_overlapped_op_equals_sequential_on_cuda(T, monkeypatch):
+def test_overlapped_op_equals_sequential_on_cuda(T, priority, monkeypatch):
     moe = make_moe("cuda", seed=T, **FLASH)
     x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(mtp_moe_module, "use_priority", priority)
     out = mtp_moe(*op_args(moe, x))
     monkeypatch.setattr(mtp_moe_module, "use_side_stream", False)
     seq = mtp_moe(*op_args(moe, x))

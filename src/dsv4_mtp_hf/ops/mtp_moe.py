@@ -10,8 +10,8 @@ the kernel that follows instead of costing a launch inside the opaque op.
 The shared expert depends only on ``x``; the routed experts on the router's choice.  At a
 draft step's few rows neither half keeps the H200 busy alone: the routed kernels are
 latency-bound at ~1.5 TB/s and each shared-expert GEMV pays its own ramp and tail
-(BENCHMARKS.md).  The CUDA registration forks the shared expert onto a side stream before the
-router and joins after the routed kernels.  Inside ``torch.cuda.graph`` capture the fork and
+(BENCHMARKS.md).  The CUDA registration forks the router and the routed kernels onto a
+high-priority side stream, runs the shared expert on the current stream meanwhile, and joins.  Inside ``torch.cuda.graph`` capture the fork and
 join become two parallel branches of the graph; the op is opaque to ``torch.compile``, so the
 compiled draft step keeps them.
 
@@ -110,16 +110,24 @@ def _(x, router_weight, router_bias, top_k, routed_scaling, norm_topk_prob, w13,
 
 
 # False: the CUDA registration runs the halves one after the other on the current stream (to
-# measure the overlap side by side: ``benchmarks/draft_step.py``'s "MoE halves one after the other").
+# measure the overlap side by side: ``benchmarks/draft_step.py --quick``).
 use_side_stream = True
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# The routed half (router + FP4 kernels, the critical path) runs on a high-priority stream, the
+# shared expert on the current one: when both have blocks waiting, the SMs take the routed ones
+# first.  torch instantiates CUDA graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a
+# captured kernel keeps the priority of the stream it was captured on.  False: a normal-priority
+# side stream (to measure the difference).
+use_priority = True
+_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device, created once."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _routed_stream(device: torch.device) -> torch.cuda.Stream:
+    """The routed half's stream, created once per device (and priority setting)."""
+    key = (device, use_priority)
+    if key not in _STREAMS:
+        # a number below the device's range maps to its highest priority (torch.cuda.Stream)
+        _STREAMS[key] = torch.cuda.Stream(device, priority=-100 if use_priority else 0)
+    return _STREAMS[key]
 
 
 @mtp_moe.register_kernel("cuda")
@@ -131,13 +139,13 @@ def _mtp_moe_cuda(x, router_weight, router_bias, top_k, routed_scaling, norm_top
     if not use_side_stream:
         return _routed(*routed_args), shared_expert(x, shared_w1, shared_w3, shared_w2, swiglu_limit)
     main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
+    side = _routed_stream(x.device)
     side.wait_stream(main)  # fork: x (and everything before it) is ready
     with torch.cuda.stream(side):
-        shared = shared_expert(x, shared_w1, shared_w3, shared_w2, swiglu_limit)
-    routed = _routed(*routed_args)
+        routed = _routed(*routed_args)
+    shared = shared_expert(x, shared_w1, shared_w3, shared_w2, swiglu_limit)
     main.wait_stream(side)  # join: the caller reads both on the current stream
-    shared.record_stream(main)  # allocated on the side stream, read (and freed) after the join
+    routed.record_stream(main)  # allocated on the side stream, read (and freed) after the join
     return routed, shared
 
 
