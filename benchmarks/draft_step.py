@@ -202,17 +202,45 @@ def hand_written_kernels(on: bool):
 
 
 @contextlib.contextmanager
-def sequential_moe():
-    """``dsv4_mtp::mtp_moe`` without its side stream: the shared expert after the router and
-    the routed kernels on one stream (graphs captured inside keep it)."""
+def module_flag(module: str, name: str, value):
+    """``module.name = value`` for the duration (a switch read when kernels launch or compile)."""
     import importlib
 
-    mod = importlib.import_module("dsv4_mtp_hf.ops.mtp_moe")
-    saved, mod.use_side_stream = mod.use_side_stream, False
+    mod = importlib.import_module(module)
+    saved = getattr(mod, name)
+    setattr(mod, name, value)
     try:
         yield
     finally:
-        mod.use_side_stream = saved
+        setattr(mod, name, saved)
+
+
+@contextlib.contextmanager
+def recompiled(**flags):
+    """``ops.triton.pdl``'s switches set for the duration, with the compiled steps dropped before
+    and after: whether Inductor's kernels use PDL is decided when the step compiles."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, value in flags.items():
+                stack.enter_context(module_flag("dsv4_mtp_hf.ops.triton.pdl", name, value))
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def step_variants():
+    """(name, context) of the switches ``--quick`` times against the default step, side by side:
+    the MoE halves on one stream (``dsv4_mtp::mtp_moe`` without its side stream), PDL in our
+    kernels only (Inductor's launched the classic way), and no PDL at all (the last two recompile
+    the step)."""
+    import functools
+
+    return [("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
+            ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),
+            ("no PDL", functools.partial(recompiled, enabled=False))]
 
 
 @contextlib.contextmanager
@@ -343,6 +371,8 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
             (4, 3, True, "reference"), (16, 3, True, "reference"), (1, 1, True, "flashinfer"), (4, 3, True, "flashinfer")]
     if args.only_compiled:
         runs = [(1, 1, True, "reference"), (16, 3, True, "reference")]
+    if args.quick:
+        runs = [(1, 1, True, "reference")]
     for bsz, k, fused, attn in runs:
         what = ("" if fused else ", no fused mHC/router kernels") + (", FlashInfer attn" if attn == "flashinfer" else "")
         label = f"ours: compiled + CUDA graph, batch {bsz}, K={k} drafts{what}"
@@ -388,24 +418,124 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                 if fused and bsz == 1 and k == 1 and attn == "reference":
                     results[label + ", back to back"] = time_back_to_back(replay, args.iters)
                     floors[label + ", back to back"] = floor_of(bsz, k)
-                    seq_label = label + ", back to back, MoE halves one after the other"
-                    with sequential_moe():  # the same step without the shared expert's side stream
-                        seq = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
-                        seq.capture()
+                    for name, switch in step_variants() if args.quick else ():  # one switch flipped, recaptured
+                        v_label = f"{label}, back to back, {name}"
+                        try:
+                            with switch():
+                                other = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
+                                other.capture()
 
-                        def replay_seq():
-                            paged.seq_lengths.copy_(lengths)
-                            return seq(pids[:, -1:], phs[:, -1:])
+                                def replay_other():
+                                    paged.seq_lengths.copy_(lengths)
+                                    return other(pids[:, -1:], phs[:, -1:])
 
-                        seq_d, seq_l = replay_seq()
-                        checks[seq_label] = f"same logits and drafts as the overlapped step: {bool(torch.equal(seq_l, got_l) and torch.equal(seq_d, got_d))}"
-                        results[seq_label] = time_back_to_back(replay_seq, args.iters)
-                        floors[seq_label] = floor_of(bsz, k)
+                                o_d, o_l = replay_other()
+                                checks[v_label] = ("same logits and drafts as the default step: "
+                                                   f"{bool(torch.equal(o_l, got_l) and torch.equal(o_d, got_d))}")
+                                results[v_label] = time_back_to_back(replay_other, args.iters)
+                                floors[v_label] = floor_of(bsz, k)
+                                if args.profile:
+                                    profile_replay(replay_other, args.out, name="compiled_" + name.replace(" ", "_").replace("'", ""))
+                        except Exception as err:  # noqa: BLE001 - the other variants still run
+                            checks[v_label] = f"FAILED {type(err).__name__}: {err}"[:300]
+                    if args.quick:
+                        continue
                     results["ours: V4 block only, compiled + CUDA graph"] = time_block_graphed(mtp, paged, lengths, gen, args.iters)
         except Exception as err:  # report and go on: one device run must bring back what it can
             checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
         finally:
             mtp.config.attention_backend = "reference"
+
+
+def measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of, results, checks, floors):
+    """The eager rows, the uncompiled graphs and every compiled row (the full run); returns the
+    eager fast-vs-reference-MoE logits error and whether their argmax agrees."""
+    c, dev = mtp.config, ids.device
+    out_fast = draft_step().logits.float()
+    results["ours: draft step, Triton FP4 MoE"] = time_ms(draft_step, args.iters)
+    with reference_experts(mtp):
+        out_ref = draft_step().logits.float()
+        results["ours: draft step, reference MoE"] = time_ms(draft_step, max(5, args.iters // 3))
+    rel = float((out_fast - out_ref).norm() / out_ref.norm())
+    same_argmax = bool(out_fast.argmax(-1).eq(out_ref.argmax(-1)).all())
+
+    # The V4 block alone: ours vs transformers' eager DeepseekV4DecoderLayer (S=1, no cache for theirs).
+    x = torch.randn(1, 1, c.hc_mult, c.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+    pos = torch.tensor([[n0]], device=dev)
+    cos, sin = rope_cos_sin(pos, c.qk_rope_head_dim, c.rope_theta)
+    results["ours: V4 block only, Triton FP4 MoE"] = time_ms(lambda: (cache.crop(n0), mtp.block(x, cos, sin, pos, cache)), args.iters)
+    layer = target.model.layers[0]
+    pe = {k: target.model.rotary_emb(x, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+    results["transformers: eager DeepseekV4DecoderLayer"] = time_ms(
+        lambda: layer(x, position_embeddings=pe, position_ids=pos, attention_mask=None), max(5, args.iters // 3))
+
+    def transformers_draft_step():  # our projections, head and lm head around transformers' eager block
+        shared = mtp._shared
+        e = mtp.e_proj(mtp.enorm(shared.embed_tokens(ids[:, -1:])))
+        h = mtp.h_proj(mtp.hnorm(hs[:, -1:])) + e.unsqueeze(2)
+        out = layer(h, position_embeddings=pe, position_ids=pos, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        return shared.lm_head(mtp.norm(mtp.hc_head(out)))
+
+    results["transformers: eager draft step (their block)"] = time_ms(transformers_draft_step, max(5, args.iters // 3))
+
+    # The whole draft step in a CUDA graph: paged cache (static shapes), K chained steps; each
+    # shape with the reference attention, then with FlashInfer's MLA kernels (SPEC §8).
+    shapes = () if args.only_compiled else ((1, 1), (1, 3), (4, 3))
+    for attn, (bsz, k) in [("reference", sk) for sk in shapes] + [("flashinfer", sk) for sk in shapes]:
+        fi = ", FlashInfer attn" if attn == "flashinfer" else ""
+        label = f"ours: CUDA graph, batch {bsz}, K={k} drafts{fi}"
+        try:
+            mtp.config.attention_backend = attn
+            paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
+            drafter = GraphedDrafter(mtp, paged, num_drafts=k)
+            drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
+            want_d, want_l = drafter.run_eager()
+            paged.seq_lengths.copy_(lengths)
+            if attn != "reference":  # the same K steps with the reference attention, for the record
+                mtp.config.attention_backend = "reference"
+                ref_d, ref_l = drafter.run_eager()
+                mtp.config.attention_backend = attn
+                paged.seq_lengths.copy_(lengths)
+                checks[label + " vs reference attention"] = (
+                    f"first-draft logits rel err {float((want_l[:, 0] - ref_l[:, 0]).float().norm() / ref_l[:, 0].float().norm()):.1e}, "
+                    f"same drafts {bool(torch.equal(want_d, ref_d))}")
+
+            def eager_k():
+                paged.seq_lengths.copy_(lengths)
+                return drafter.run_eager()
+
+            floor_k = floor_of(bsz, k)
+            floors[label] = floors[f"ours: eager, batch {bsz}, K={k} drafts{fi}"] = floor_k
+            results[f"ours: eager, batch {bsz}, K={k} drafts{fi}"] = time_ms(eager_k, max(5, args.iters // 3))
+            drafter.capture()
+
+            host_lengths = lengths.tolist()  # what a serving loop tracks: FlashInfer plans without a device read
+
+            def replay():
+                paged.seq_lengths.copy_(lengths)
+                return drafter(pids[:, -1:], phs[:, -1:], seq_lengths=host_lengths)
+
+            got_d, got_l = replay()
+            torch.cuda.synchronize()
+            graph_err = float((got_l.float() - want_l.float()).norm() / want_l.float().norm())
+            checks[label] = f"graph vs eager logits rel err {graph_err:.1e}, same drafts {bool(torch.equal(got_d, want_d))}"
+            results[label] = time_ms(replay, args.iters)
+            if attn != "reference":  # the default call: the lengths read back from the device before planning
+                results[label + ", lengths read back"] = time_ms(
+                    lambda: (paged.seq_lengths.copy_(lengths), drafter(pids[:, -1:], phs[:, -1:])), args.iters)
+                floors[label + ", lengths read back"] = floor_k
+            if args.profile and bsz == 1 and k == 1:
+                profile_replay(replay, args.out, name=f"graphed_{attn}")
+                if attn == "reference":
+                    profile_replay(eager_k, args.out, name="eager")
+        except Exception as err:  # report and go on: one device run must bring back what it can
+            checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
+        finally:
+            mtp.config.attention_backend = "reference"
+
+    measure_compiled(mtp, args, gen, floor_of, results, checks, floors)
+    return rel, same_argmax
 
 
 def main():
@@ -415,6 +545,8 @@ def main():
     p.add_argument("--context", type=int, default=127, help="cached positions before the draft row")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true", help="print the kernels of one graphed batch-1 K=1 replay")
+    p.add_argument("--quick", action="store_true",
+                   help="the compiled batch-1 K=1 step only: back to back, against its variants (step_variants)")
     p.add_argument("--only-compiled", action="store_true",
                    help="skip the uncompiled graphs; compiled batch 1 K=1 and batch 16 K=3 only (a quick run)")
     args = p.parse_args()
@@ -444,92 +576,14 @@ def main():
         return mtp(ids[:, -1:], hs[:, -1:], past_key_values=cache)
 
     results, checks, floors = {}, {}, {}
+    rel, same_argmax = float("nan"), None
+    floor_of = lambda bsz, k: k * (dense + min(bsz * c.num_experts_per_tok, c.n_routed_experts) * per_expert + head) / bw * 1e3  # noqa: E731
     with torch.no_grad():
-        out_fast = draft_step().logits.float()
-        results["ours: draft step, Triton FP4 MoE"] = time_ms(draft_step, args.iters)
-        with reference_experts(mtp):
-            out_ref = draft_step().logits.float()
-            results["ours: draft step, reference MoE"] = time_ms(draft_step, max(5, args.iters // 3))
-        rel = float((out_fast - out_ref).norm() / out_ref.norm())
-        same_argmax = bool(out_fast.argmax(-1).eq(out_ref.argmax(-1)).all())
-
-        # The V4 block alone: ours vs transformers' eager DeepseekV4DecoderLayer (S=1, no cache for theirs).
-        x = torch.randn(1, 1, c.hc_mult, c.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
-        pos = torch.tensor([[n0]], device=dev)
-        cos, sin = rope_cos_sin(pos, c.qk_rope_head_dim, c.rope_theta)
-        results["ours: V4 block only, Triton FP4 MoE"] = time_ms(lambda: (cache.crop(n0), mtp.block(x, cos, sin, pos, cache)), args.iters)
-        layer = target.model.layers[0]
-        pe = {k: target.model.rotary_emb(x, position_ids=pos, layer_type=k) for k in ("main", "compress")}
-        results["transformers: eager DeepseekV4DecoderLayer"] = time_ms(
-            lambda: layer(x, position_embeddings=pe, position_ids=pos, attention_mask=None), max(5, args.iters // 3))
-
-        def transformers_draft_step():  # our projections, head and lm head around transformers' eager block
-            shared = mtp._shared
-            e = mtp.e_proj(mtp.enorm(shared.embed_tokens(ids[:, -1:])))
-            h = mtp.h_proj(mtp.hnorm(hs[:, -1:])) + e.unsqueeze(2)
-            out = layer(h, position_embeddings=pe, position_ids=pos, attention_mask=None)
-            out = out[0] if isinstance(out, tuple) else out
-            return shared.lm_head(mtp.norm(mtp.hc_head(out)))
-
-        results["transformers: eager draft step (their block)"] = time_ms(transformers_draft_step, max(5, args.iters // 3))
-
-        # The whole draft step in a CUDA graph: paged cache (static shapes), K chained steps; each
-        # shape with the reference attention, then with FlashInfer's MLA kernels (SPEC §8).
-        shapes = () if args.only_compiled else ((1, 1), (1, 3), (4, 3))
-        for attn, (bsz, k) in [("reference", sk) for sk in shapes] + [("flashinfer", sk) for sk in shapes]:
-            fi = ", FlashInfer attn" if attn == "flashinfer" else ""
-            label = f"ours: CUDA graph, batch {bsz}, K={k} drafts{fi}"
-            try:
-                mtp.config.attention_backend = attn
-                paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
-                drafter = GraphedDrafter(mtp, paged, num_drafts=k)
-                drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
-                want_d, want_l = drafter.run_eager()
-                paged.seq_lengths.copy_(lengths)
-                if attn != "reference":  # the same K steps with the reference attention, for the record
-                    mtp.config.attention_backend = "reference"
-                    ref_d, ref_l = drafter.run_eager()
-                    mtp.config.attention_backend = attn
-                    paged.seq_lengths.copy_(lengths)
-                    checks[label + " vs reference attention"] = (
-                        f"first-draft logits rel err {float((want_l[:, 0] - ref_l[:, 0]).float().norm() / ref_l[:, 0].float().norm()):.1e}, "
-                        f"same drafts {bool(torch.equal(want_d, ref_d))}")
-
-                def eager_k():
-                    paged.seq_lengths.copy_(lengths)
-                    return drafter.run_eager()
-
-                floor_k = k * (dense + min(bsz * c.num_experts_per_tok, c.n_routed_experts) * per_expert + head) / bw * 1e3
-                floors[label] = floors[f"ours: eager, batch {bsz}, K={k} drafts{fi}"] = floor_k
-                results[f"ours: eager, batch {bsz}, K={k} drafts{fi}"] = time_ms(eager_k, max(5, args.iters // 3))
-                drafter.capture()
-
-                host_lengths = lengths.tolist()  # what a serving loop tracks: FlashInfer plans without a device read
-
-                def replay():
-                    paged.seq_lengths.copy_(lengths)
-                    return drafter(pids[:, -1:], phs[:, -1:], seq_lengths=host_lengths)
-
-                got_d, got_l = replay()
-                torch.cuda.synchronize()
-                graph_err = float((got_l.float() - want_l.float()).norm() / want_l.float().norm())
-                checks[label] = f"graph vs eager logits rel err {graph_err:.1e}, same drafts {bool(torch.equal(got_d, want_d))}"
-                results[label] = time_ms(replay, args.iters)
-                if attn != "reference":  # the default call: the lengths read back from the device before planning
-                    results[label + ", lengths read back"] = time_ms(
-                        lambda: (paged.seq_lengths.copy_(lengths), drafter(pids[:, -1:], phs[:, -1:])), args.iters)
-                    floors[label + ", lengths read back"] = floor_k
-                if args.profile and bsz == 1 and k == 1:
-                    profile_replay(replay, args.out, name=f"graphed_{attn}")
-                    if attn == "reference":
-                        profile_replay(eager_k, args.out, name="eager")
-            except Exception as err:  # report and go on: one device run must bring back what it can
-                checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
-            finally:
-                mtp.config.attention_backend = "reference"
-
-        floor_of = lambda bsz, k: k * (dense + min(bsz * c.num_experts_per_tok, c.n_routed_experts) * per_expert + head) / bw * 1e3  # noqa: E731
-        measure_compiled(mtp, args, gen, floor_of, results, checks, floors)
+        if args.quick:
+            measure_compiled(mtp, args, gen, floor_of, results, checks, floors)
+        else:
+            rel, same_argmax = measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of, results,
+                                           checks, floors)
 
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; draft-step floor {floor_ms:.3f} ms "
           f"({floor_bytes / 1e9:.3f} GB: dense {dense / 1e9:.3f}, 6 experts {c.num_experts_per_tok * per_expert / 1e9:.3f}, "

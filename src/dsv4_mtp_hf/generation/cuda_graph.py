@@ -50,8 +50,17 @@ class GraphedDrafter:
     def compile_step(self, mode: str | None = None) -> None:
         """Run the steps through ``torch.compile(fullgraph=True)`` from now on (compiled at the
         first call -- the warm-up of :meth:`capture` -- and back to the uncompiled step, with
-        a warning, if that fails).  ``dynamic=False``: one specialisation per batch size."""
-        self.step = torch.compile(self.mtp.draft_step, fullgraph=True, dynamic=False, mode=mode)
+        a warning, if that fails).  ``dynamic=False``: one specialisation per batch size.  On
+        sm_90+ the generated kernels launch with PDL like ours (``ops/triton/pdl.py``)."""
+        import torch._inductor
+
+        options = dict(torch._inductor.list_mode_options(mode or "default"))
+        device = self.mtp.e_proj.weight.device
+        if device.type == "cuda":
+            from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
+
+            options.update(inductor_options(device))
+        self.step = torch.compile(self.mtp.draft_step, fullgraph=True, dynamic=False, options=options or None)
         self.compiled = True
 
     @torch.no_grad()

@@ -22,6 +22,8 @@ import triton.language as tl
 
 from ..argmax import KERNEL_MAX_ROWS, argmax_op, kernel_takes
 from .persistent import persistent_zeros
+from . import pdl
+from .pdl import wait
 
 G_MAX = 512  # partials per row the workspace holds (longer rows get more tiles per program)
 _EMPTY = tl.constexpr(-(2**63))  # below every element's key: masked lanes, padding of the partials
@@ -38,7 +40,8 @@ def _packed_key(x, idx):
 
 @triton.jit
 def _argmax_kernel(x_ptr, out_ptr, part_ptr, ticket_ptr, V, stride_row, G,
-                   BLOCK: tl.constexpr, TILES: tl.constexpr, G_P2: tl.constexpr):
+                   BLOCK: tl.constexpr, TILES: tl.constexpr, G_P2: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
@@ -98,7 +101,8 @@ def argmax_triton(x: torch.Tensor, config: tuple[int, int, int] | None = None,
         raise ValueError(f"argmax_triton: {rows} rows x {g} partials exceed the workspace.")
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     _argmax_kernel[(rows, g)](x2, out, parts, tickets, v, x2.stride(0), g,
-                              BLOCK=block, TILES=tiles, G_P2=triton.next_power_of_2(g), num_warps=warps)
+                              BLOCK=block, TILES=tiles, G_P2=triton.next_power_of_2(g), num_warps=warps,
+                              **pdl.launch_args(x.device))
     return out.view(x.shape[:-1])
 
 

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 
 from .persistent import persistent_zeros
+from . import pdl
+from .pdl import wait
 from ..attention import check_window_attention_inputs, sliding_window_attention_reference, window_attention
 
 BLOCK_H = 16  # the smallest head block (the MMA's M): kernel_takes needs a multiple of it
@@ -161,7 +163,8 @@ def _window_attention_kernel(q_ptr, kv_ptr, qpos_ptr, kvpos_ptr, sink_ptr, out_p
                              ticket_ptr, L, keys_per_program, window, scale, H,
                              sq_b, sq_h, skv_b, skv_l, sqp_b, skp_b, skp_l, so_b, so_h,
                              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, STEPS: tl.constexpr,
-                             NSPLIT: tl.constexpr, TICKET: tl.constexpr, FP32: tl.constexpr):
+                             NSPLIT: tl.constexpr, TICKET: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -205,7 +208,8 @@ def _window_attention_kernel(q_ptr, kv_ptr, qpos_ptr, kvpos_ptr, sink_ptr, out_p
 
 @triton.jit
 def _combine_kernel(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, H, so_b, so_h,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, NSPLIT: tl.constexpr):
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, b, h, tl.arange(0, D), H, so_b, so_h, D, BLOCK_H, NSPLIT)
@@ -259,11 +263,12 @@ def window_attention_triton(q, kv, q_positions, kv_positions, sinks, window: int
         kv_positions.stride(0), kv_positions.stride(1), out.stride(0), out.stride(2),
         D=d, BLOCK_H=cfg.block_h, BLOCK_L=cfg.block_l, STEPS=cfg.keys_per_program // cfg.block_l, NSPLIT=nsplit,
         TICKET=ticket is not None, FP32=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=2, **pdl.launch_args(q.device),
     )
     if nsplit > 1 and ticket is None:
         _combine_kernel[(b, n_hb)](acc, m, den, sinks, out, h, out.stride(0), out.stride(2),
-                                   D=d, BLOCK_H=cfg.block_h, NSPLIT=nsplit, num_warps=cfg.num_warps)
+                                   D=d, BLOCK_H=cfg.block_h, NSPLIT=nsplit, num_warps=cfg.num_warps,
+                                   **pdl.launch_args(q.device))
     return out
 
 

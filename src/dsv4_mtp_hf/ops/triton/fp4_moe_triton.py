@@ -44,6 +44,8 @@ from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 from .fp4_moe_mma import fp4_moe_mma, mma_supports
 from .moe_pairs import _expert_rows, _sum_kernel, flat_ids
+from . import pdl
+from .pdl import wait
 
 # The PTX decode (e2m1 nibbles -> bf16 bits) lives in ``decode_ptx`` (no Triton import, so
 # CPU CI checks its constants bit for bit: tests/test_fp4_moe_op.py).
@@ -118,8 +120,9 @@ def _gate_up_kernel(
     P, I: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
     LIMIT: tl.constexpr, NCHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_ASM: tl.constexpr, CDT: tl.constexpr, FOLD: tl.constexpr,
+    USE_ASM: tl.constexpr, CDT: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
@@ -183,8 +186,9 @@ def _down_kernel(
     P, I: tl.constexpr, D: tl.constexpr,
     PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr, NCHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, CDT: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
@@ -346,7 +350,8 @@ def _fp4_moe_triton(
                    group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=vcfg,
                    only=only, **extra)
             if only is None:
-                _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4)
+                _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4,
+                                                       **pdl.launch_args(x.device))
             return out
     pb = max(16, triton.next_power_of_2(p))
     bm = _block_m(p, w13.shape[0])
@@ -372,7 +377,7 @@ def _fp4_moe_triton(
             p, inter, d,
             TOPK=k, PB=pb, G=f.group_size, IS_NV=is_nv, LIMIT=float(swiglu_limit),
             NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
-            FOLD=fold, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+            FOLD=fold, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **pdl.launch_args(x.device),
         )
     if only in (None, "down"):
         _down_kernel[(p, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -380,12 +385,12 @@ def _fp4_moe_triton(
             p, inter, d,
             PB=pb, G=f.group_size, IS_NV=is_nv,
             NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
-            FOLD=fold, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+            FOLD=fold, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **pdl.launch_args(x.device),
         )
     if only is not None:
         return out
     blk = 1024
-    _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4)
+    _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4, **pdl.launch_args(x.device))
     return out
 
 

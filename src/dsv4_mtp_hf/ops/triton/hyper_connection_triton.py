@@ -6,10 +6,10 @@ Two launches per call, fixed grids (CUDA-graph safe, no host sync, deterministic
    each program writing its ``M`` partial dot products and its partial sum of squares
    (the RMS factor) to a small fp32 workspace ``[T, SPLIT, M_PAD + 1]``.
 2. ``_finish_kernel`` grid ``(T, cdiv(D, BLOCK_D))``: every program sums the partials in a
-   fixed order, forms the RMS-scaled mixes, ``pre`` (and for ``hc_pre`` ``post`` and the
-   Sinkhorn ``comb``, kept in registers as an n x n tile) and collapses its slice of D:
-   ``y = sum_j pre_j x_j``.  The few hundred flops of the mixes are recomputed per D block
-   rather than paying a third launch; block 0 writes ``post`` and ``comb``.
+   fixed order, forms the RMS-scaled ``pre`` mixes and collapses its slice of D:
+   ``y = sum_j pre_j x_j``.  The few flops of ``pre`` are recomputed per D block rather than
+   paying a third launch; block 0 alone also forms ``post`` and the Sinkhorn ``comb`` and
+   writes them (its x load is issued first, so that its latency overlaps the Sinkhorn).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from ..hyper_connection import collapse, hc_head_op, hc_head_reference, hc_pre_op, hc_weights
+from . import pdl
+from .pdl import wait
 
 BLOCK_K = 128  # K columns per GEMV program: 128 programs per token at V4 sizes (n*D = 16384)
 MAX_TOKENS = 64  # beyond decode-sized batches a GEMM (the PyTorch path) reads the weights better
@@ -32,7 +34,8 @@ _FINISH_CONFIGS = [triton.Config({"BLOCK_D": b}, num_warps=w) for b, w in ((256,
 @triton.autotune(configs=_MIX_CONFIGS, key=["K", "M", "SPLIT"])
 @triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     s = tl.program_id(1)
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -51,7 +54,8 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M: tl.constexpr, M_PAD: tl.c
 def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr, K, D,
                    N: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
                    ITERS: tl.constexpr, HC_EPS: tl.constexpr, RMS_EPS: tl.constexpr, HEAD: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     db = tl.program_id(1)
     sp = tl.arange(0, SPLIT_PAD)
@@ -62,24 +66,25 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_p
     j = tl.arange(0, N)
     m_pre = tl.sum(tl.load(part[:, None] + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
     pre = tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + j)) + HC_EPS
-    if not HEAD:
-        m_post = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
-        post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
-        idx = 2 * N + j[:, None] * N + j[None, :]  # comb logits, row-major n x n
-        m_c = tl.sum(tl.load(part[:, None, None] + idx[None, :, :], mask=spmask[:, None, None], other=0.0), axis=0)
-        c = m_c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + idx)
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = e / tl.sum(e, axis=1)[:, None] + HC_EPS  # row softmax + eps
-        c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
-        for _ in range(ITERS - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + HC_EPS)  # rows
-            c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
-        if db == 0:
-            tl.store(post_ptr + t * N + j, post)
-            tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
     d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
+    # x is loaded before block 0's Sinkhorn so that the load's latency overlaps it
     xv = tl.load(x_ptr + t * K + j[:, None] * D + d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    if not HEAD:
+        if db == 0:  # the other programs only collapse: they skip post and the Sinkhorn
+            m_post = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
+            post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
+            tl.store(post_ptr + t * N + j, post)
+            idx = 2 * N + j[:, None] * N + j[None, :]  # comb logits, row-major n x n
+            m_c = tl.sum(tl.load(part[:, None, None] + idx[None, :, :], mask=spmask[:, None, None], other=0.0), axis=0)
+            c = m_c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + idx)
+            e = tl.exp(c - tl.max(c, axis=1)[:, None])
+            c = e / tl.sum(e, axis=1)[:, None] + HC_EPS  # row softmax + eps
+            c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + HC_EPS)  # rows
+                c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
+            tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
     y = tl.sum(pre[:, None] * xv, axis=0)
     tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=dmask)
 
@@ -103,11 +108,12 @@ def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool):
     comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
     if t:
         part = torch.empty(t, split, m_pad + 1, dtype=torch.float32, device=x.device)
-        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, k, M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K)
+        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, k, M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K,
+                                        **pdl.launch_args(x.device))
         _finish_kernel[lambda meta: (t, triton.cdiv(d, meta["BLOCK_D"]))](
             xt, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
             SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), ITERS=iters, HC_EPS=hc_eps, RMS_EPS=rms_eps,
-            HEAD=head)
+            HEAD=head, **pdl.launch_args(x.device))
     return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
 
 

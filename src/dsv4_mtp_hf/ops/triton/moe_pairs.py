@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import wait
+
 
 def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     """``topk_ids [T, k]`` (integers, checked by ``check_fp4_moe_inputs``) as the kernels' flat
@@ -32,7 +34,8 @@ def _expert_rows(ids_ptr, pid_p, P, PB: tl.constexpr):
 
 
 @triton.jit
-def _sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < D

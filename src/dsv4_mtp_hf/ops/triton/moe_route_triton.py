@@ -18,13 +18,17 @@ import triton
 import triton.language as tl
 
 from ..moe_route import moe_route_op, moe_route_reference
+from . import pdl
+from .pdl import wait
 
 MAX_TOKENS = 64
 BLOCK_E = 2  # gate rows per program: 128 programs per token for 256 experts
 
 
 @triton.jit
-def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
@@ -44,7 +48,8 @@ def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexp
 
 @triton.jit
 def _topk_kernel(s_ptr, bias_ptr, w_ptr, id_ptr, E, SCALING: tl.constexpr, NORMALIZE: tl.constexpr,
-                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     emask = e < E
@@ -74,10 +79,11 @@ def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: boo
     ids = torch.empty(t, top_k, dtype=torch.long, device=h.device)
     if t:
         _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, e, D=d, BLOCK_E=BLOCK_E,
-                                                      BLOCK_K=min(triton.next_power_of_2(d), 4096), num_warps=4)
+                                                      BLOCK_K=min(triton.next_power_of_2(d), 4096), num_warps=4,
+                                                      **pdl.launch_args(h.device))
         _topk_kernel[(t,)](scores, bias, weights, ids, e, SCALING=float(scaling), NORMALIZE=bool(normalize),
                            TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                           num_warps=1)
+                           num_warps=1, **pdl.launch_args(h.device))
     return weights, ids
 
 

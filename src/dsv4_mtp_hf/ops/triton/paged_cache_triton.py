@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from ..paged_cache import FAR_PAST, check_paged_kv_update_inputs, paged_kv_update_op
+from . import pdl
+from .pdl import wait
 
 ROWS = 8  # key rows per program: 16 programs at batch 1 (32-row programs took 6.0 us on the H200, latency-bound)
 
@@ -24,7 +26,8 @@ ROWS = 8  # key rows per program: 16 programs at batch 1 (32-row programs took 6
 def _update_kernel(pool_ptr, table_ptr, len_ptr, kv_ptr, keys_ptr, pos_ptr, S, KEEP, HIST, D, CAPACITY, PAGE,
                    s_pool_page, s_pool_row, s_table_b, s_kv_b, s_kv_s, s_keys_b, s_keys_l, s_pos_b,
                    READ: tl.constexpr, WRITE: tl.constexpr, FAR: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # key rows
     d = tl.arange(0, BLOCK_D)
@@ -63,7 +66,7 @@ def _paged_kv_update_cuda(pool, block_table, seq_lengths, kv, hist, capacity):
             pool.stride(0), pool.stride(1), block_table.stride(0), kv.stride(0), kv.stride(1), keys.stride(0),
             keys.stride(1), positions.stride(0))
     grid = (b, triton.cdiv(hist + s, ROWS))
-    meta = dict(FAR=FAR_PAST, ROWS=ROWS, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    meta = dict(FAR=FAR_PAST, ROWS=ROWS, BLOCK_D=triton.next_power_of_2(d), num_warps=4, **pdl.launch_args(kv.device))
     with torch.cuda.device(kv.device):  # Triton launches on the current device
         if hist + keep <= capacity:  # the written slots are not among the read ones
             _update_kernel[grid](*args, READ=True, WRITE=True, **meta)

@@ -45,6 +45,8 @@ from ..skinny_linear import (
     skinny_linear_op,
     skinny_linear_reference,
 )
+from . import pdl
+from .pdl import wait
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference (cuBLAS) runs: a GEMM, not a weight stream
 REDUCE_BLOCK = 1024
@@ -111,8 +113,9 @@ def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_ti
 def _skinny_sum_kernel(x0_ptr, w0_ptr, x1_ptr, w1_ptr, out_ptr, M, N, stride_x0m, stride_w0, stride_x1m,
                        stride_w1, stride_om, K0: tl.constexpr, K1: tl.constexpr, X1_DIV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       FP32: tl.constexpr):
+                       FP32: tl.constexpr, PDL: tl.constexpr = False):
     """One accumulator over both products: ``x0 w0^T`` along K0, then ``x1[m // X1_DIV] w1^T`` along K1."""
+    wait(PDL)
     pid = tl.program_id(0)
     KS0: tl.constexpr = (K0 + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     KS1: tl.constexpr = (K1 + BLOCK_K - 1) // BLOCK_K * BLOCK_K
@@ -128,7 +131,8 @@ def _skinny_sum_kernel(x0_ptr, w0_ptr, x1_ptr, w1_ptr, out_ptr, M, N, stride_x0m
 def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, M, N0, N1, K, stride_xm, stride_w0, stride_w1, stride_om,
                    stride_os, TILES0, N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP32: tl.constexpr, TWO: tl.constexpr,
-                   GROUPED: tl.constexpr):
+                   GROUPED: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * K_SPLIT
@@ -149,7 +153,8 @@ def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, M, N0, N1, K, stride_xm, stri
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
@@ -242,10 +247,11 @@ def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: i
         m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32 or _INTERPRET,
         TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl.launch_args(x.device),
     )
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
-                                                             num_warps=4)
+                                                             num_warps=4, **pdl.launch_args(x.device))
     return out
 
 
@@ -313,7 +319,7 @@ def skinny_linear_sum_triton(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tenso
         x0, w0, x1, w1, out, m, n, x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0), n, K0=k0, K1=k1,
         X1_DIV=m // x1.shape[0], BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
         FP32=x0.dtype == torch.float32 or _INTERPRET, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, **pdl.launch_args(x0.device),
     )
     return out
 
