@@ -2,10 +2,10 @@
 ``mma.sync`` operands, block scales applied in fp32 to the MMA results (exact products, fp32
 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
 
-Status (2026-11-30): built and checked on the CPU only -- the PTX interpreted for a whole warp, the
-plain-Triton twin under the interpreter, the sm_90 build (no spills, 166-168 registers with
-``maxnreg`` 168, every asm on the lane-ordered layout); not yet run on a GPU (tests/test_fp4_moe_hmma.py
-``-m gpu``, ``benchmarks/moe_op.py --sweep hm,...``).  Off by default
+Status (2026-11-30): exact on the H200 (tests/test_fp4_moe_hmma.py ``-m gpu``: 41 passed, the
+tensor cores keep fp16 subnormal weights) but not faster: 55.0 / 53.1 µs at T=1 (``hm`` / ``hm_pf2``)
+against 53.0 for the default kernels and 47.3 for the fp16x2 GEMV (BENCHMARKS.md, fifth session) --
+at T=1 the MoE is bound by memory latency, not by issue.  Off by default
 (``fp4_moe_triton.CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]``); ``CONFIG["hmma"]`` overrides
 ``HMMA_CONFIG``.  Static SASS, V4-Flash, T=1 (``benchmarks/sass_count.py``): gate/up 1.81 / 1.71,
 down 1.80 / 1.71 instructions per weight (NVFP4 / MXFP4), against 2.37 / 2.12 for the fp16x2 GEMV
