@@ -1,11 +1,12 @@
 """Dense projections of the MTP: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear``
 on CUDA for a draft step's few rows (SPEC §8; ``ops/skinny_linear.py``).
 
-:func:`project` takes one or two bias-free ``nn.Linear`` that read the same input.  On CPU,
-for dtypes other than bf16, under autograd, for more than ``MAX_ROWS`` rows, or for modules that are not plain
-``nn.Linear`` (hooks, adapters, quantised layers) each module is called as before -- the
-reference path is unchanged.  Otherwise the projections run in one kernel launch and the
-result is split per module (each output element is the same dot product either way).
+:func:`project` takes one or two bias-free ``nn.Linear`` that read the same input.  Modules
+that are not plain ``nn.Linear`` (hooks, adapters, quantised layers) are called as they are.
+Plain ones on CPU, for dtypes other than bf16, under autograd or for more than ``MAX_ROWS`` rows
+run ``F.linear`` on their weight -- the reference path, unchanged.  Otherwise the projections run
+in one kernel launch and the result is split per module (each output element is the same dot
+product either way).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ The shared expert depends only on ``x``; the routed experts on the router's choi
 draft step's few rows neither half keeps the H200 busy alone: the routed kernels are
 latency-bound at ~1.5 TB/s and each shared-expert GEMV pays its own ramp and tail
 (BENCHMARKS.md).  The CUDA registration forks the router and the routed kernels onto a
-high-priority side stream, runs the shared expert on the current stream meanwhile, and joins.  Inside ``torch.cuda.graph`` capture the fork and
-join become two parallel branches of the graph; the op is opaque to ``torch.compile``, so the
-compiled draft step keeps them.
+high-priority side stream, runs the shared expert on the current stream meanwhile, and joins.
+Inside ``torch.cuda.graph`` capture the fork and join become two parallel branches of the
+graph; the op is opaque to ``torch.compile``, so the compiled draft step keeps them.
+Measured (H200, batch 1, compiled and graphed): 14-20 µs off a ~0.48 ms draft step.
 
 The reference (CPU, and the source of truth) is the layer's sequential math; the CUDA path
 runs the same kernels in another order, so it computes the same values.
