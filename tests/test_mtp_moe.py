@@ -16,7 +16,7 @@ from dsv4_mtp_hf.layers.moe import MtpMoE, SharedExpert
 from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu
 from dsv4_mtp_hf.ops.mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
 
-from .helpers import randomize_, tiny_target_config
+from .helpers import randomize_, run_under_triton_interpreter, tiny_target_config
 from .test_fp4_moe_op import make_experts
 
 mtp_moe_module = importlib.import_module("dsv4_mtp_hf.ops.mtp_moe")  # the module (the package exports the op)
@@ -105,6 +105,25 @@ def test_shared_expert_offers_its_weights_only_when_plain_and_untrained():
         h.remove()
         s.up_proj.forward = s.up_proj.forward  # an instance-level forward (accelerate's offload hooks)
         assert s.plain_weights(x) is None
+
+
+def test_swiglu_kernel_under_the_cpu_interpreter():
+    run_under_triton_interpreter("""
+import contextlib, torch
+torch.cuda.device = lambda d: contextlib.nullcontext()  # the launcher's device guard, on CPU tensors
+from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu
+from dsv4_mtp_hf.ops.triton import swiglu_triton as st
+g = torch.Generator().manual_seed(0)
+for rows, i in [(1, 2048), (3, 1000), (16, 64)]:
+    gu = torch.randn(rows, 2 * i, generator=g) * 8  # fp32 here: the interpreter's bf16 casts truncate
+    gu[0, 0] = float("nan")
+    got = st._clamped_swiglu_cuda(gu, 10.0)
+    want = clamped_swiglu(gu[:, :i], gu[:, i:], 10.0)
+    assert got.shape == want.shape and torch.isnan(got[0, 0]), rows
+    torch.testing.assert_close(got[:, 1:], want[:, 1:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1:], want[1:], rtol=1e-5, atol=1e-6)
+print("OK swiglu kernel")
+""")
 
 
 # V4-Flash expert sizes, fewer experts (the Triton MoE kernels need multiples of 256)
