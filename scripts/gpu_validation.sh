@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, linear, ncu,
-# hmma, attn, lmhead.
+# hmma, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -34,14 +34,16 @@ for part in $parts; do
              run hmmasweep python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,8,16 --ref-ts "" \
                --no-humming --iters 30 --sweep hm,hm_pf2,hm_n1,hm_n4,hg32,dot --out "$OUT/sweep" ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
+    quick)   run quick python3 benchmarks/draft_step.py --quick --iters 20 --out "$OUT" ;;
+    hc)      run hc python3 benchmarks/hc_op.py --out "$OUT" ;;
     lmhead)  run lmhead python3 benchmarks/linear_op.py --lm-head --rows 1,4,16 --iters 30 --out "$OUT" ;;
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, linear, ncu, hmma, attn, lmhead)"; exit 2 ;;
+    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, linear, ncu, hmma, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft batched batched32 moe moesweep hmmasweep attn lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick batched batched32 moe moesweep hmmasweep attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"
