@@ -329,6 +329,7 @@ def _fp4_moe_triton(
     is_nv = f.name == "nvfp4"
     fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
+    pdl_kw = pdl.launch_args(x.device)
     for key in ("hmma", "hgemv", "gemv"):  # the opt-in variants, where CONFIG routes this T to one
         if "gate_up" in cfg or not cfg.get(f"{key}_min_tokens", 1) <= t <= cfg.get(f"{key}_max_tokens", 0):
             continue
@@ -351,8 +352,7 @@ def _fp4_moe_triton(
                    group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=vcfg,
                    only=only, **extra)
             if only is None:
-                _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4,
-                                                       **pdl.launch_args(x.device))
+                _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4, **pdl_kw)
             return out
     pb = max(16, triton.next_power_of_2(p))
     bm = _block_m(p, w13.shape[0])
@@ -378,7 +378,7 @@ def _fp4_moe_triton(
             p, inter, d,
             TOPK=k, PB=pb, G=f.group_size, IS_NV=is_nv, LIMIT=float(swiglu_limit),
             NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
-            FOLD=fold, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **pdl.launch_args(x.device),
+            FOLD=fold, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **pdl_kw,
         )
     if only in (None, "down"):
         _down_kernel[(p, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -386,12 +386,12 @@ def _fp4_moe_triton(
             p, inter, d,
             PB=pb, G=f.group_size, IS_NV=is_nv,
             NCHUNK=nchunk, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], USE_ASM=cfg["use_asm"], CDT=cdt,
-            FOLD=fold, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **pdl.launch_args(x.device),
+            FOLD=fold, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **pdl_kw,
         )
     if only is not None:
         return out
     blk = 1024
-    _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4, **pdl.launch_args(x.device))
+    _sum_kernel[(t, triton.cdiv(d, blk))](y, out, d, TOPK=k, BLOCK=blk, num_warps=4, **pdl_kw)
     return out
 
 

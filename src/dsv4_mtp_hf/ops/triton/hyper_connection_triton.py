@@ -108,12 +108,13 @@ def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool):
     comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
     if t:
         part = torch.empty(t, split, m_pad + 1, dtype=torch.float32, device=x.device)
+        pdl_kw = pdl.launch_args(x.device)
         _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, k, M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K,
-                                        **pdl.launch_args(x.device))
+                                        **pdl_kw)
         _finish_kernel[lambda meta: (t, triton.cdiv(d, meta["BLOCK_D"]))](
             xt, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
             SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), ITERS=iters, HC_EPS=hc_eps, RMS_EPS=rms_eps,
-            HEAD=head, **pdl.launch_args(x.device))
+            HEAD=head, **pdl_kw)
     return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
 
 

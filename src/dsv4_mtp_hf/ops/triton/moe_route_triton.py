@@ -78,12 +78,13 @@ def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: boo
     weights = torch.empty(t, top_k, dtype=torch.float32, device=h.device)
     ids = torch.empty(t, top_k, dtype=torch.long, device=h.device)
     if t:
+        pdl_kw = pdl.launch_args(h.device)
         _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, e, D=d, BLOCK_E=BLOCK_E,
                                                       BLOCK_K=min(triton.next_power_of_2(d), 4096), num_warps=4,
-                                                      **pdl.launch_args(h.device))
+                                                      **pdl_kw)
         _topk_kernel[(t,)](scores, bias, weights, ids, e, SCALING=float(scaling), NORMALIZE=bool(normalize),
                            TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                           num_warps=1, **pdl.launch_args(h.device))
+                           num_warps=1, **pdl_kw)
     return weights, ids
 
 

@@ -240,18 +240,18 @@ def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: i
         target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     w0 = weights[0]
     w1 = weights[1] if len(weights) > 1 else w0
+    pdl_kw = pdl.launch_args(x.device)
     tiles0 = triton.cdiv(ns[0], bn)
     grid = (sum(triton.cdiv(v, bn) for v in ns), split)
     _skinny_kernel[grid](
         x, w0, w1, target, m, ns[0], ns[1] if len(ns) > 1 else 0, k, x.stride(0), w0.stride(0), w1.stride(0), n,
         m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32 or _INTERPRET,
-        TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl.launch_args(x.device),
+        TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
     )
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
-                                                             num_warps=4, **pdl.launch_args(x.device))
+                                                             num_warps=4, **pdl_kw)
     return out
 
 
