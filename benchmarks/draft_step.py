@@ -233,12 +233,14 @@ def recompiled(**flags):
 
 def step_variants():
     """(name, context) of the switches ``--quick`` times against the default step, side by side:
-    the MoE halves on one stream (``dsv4_mtp::mtp_moe`` without its side stream), PDL in our
+    the routed MoE on the kernels it used before the streamed GEMV, the MoE halves on one stream (``dsv4_mtp::mtp_moe`` without its side stream), PDL in our
     kernels only (Inductor's launched the classic way), and no PDL at all (the last two recompile
     the step)."""
     import functools
 
-    return [("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
+    stream_off = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG, "stream_max_tokens": 0}
+    return [("routed MoE without the streamed GEMV", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", stream_off)),
+            ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),
             ("no PDL", functools.partial(recompiled, enabled=False))]
 

@@ -129,14 +129,16 @@ def capture(fn):
 
 
 def bench(fn, iters, warmup, flush):
-    """Median µs per call over `iters` (CUDA events), L2 flushed before each call."""
+    """Median µs per call over `iters` (CUDA events), L2 flushed before each call (``flush``
+    None: no flush, for the rotated graphs of ``--flush rotate``)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     st = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     en = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
-        flush.zero_()
+        if flush is not None:
+            flush.zero_()
         st[i].record()
         fn()
         en[i].record()
@@ -345,7 +347,7 @@ SWEEP = {
     "only_dn": dict(only="down"),
     # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
-    "dot": dict(mma_max_tokens=0, gemv_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
+    "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),
@@ -356,6 +358,7 @@ SWEEP = {
     "m8k2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=2, down_warps=8, down_ksplit=2)),
     "m8k4": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=4, down_warps=8, down_ksplit=4)),
     "nofold": dict(fold_scale=False),
+    "gv_t2": dict(stream_max_tokens=0),  # the defaults before the streamed GEMV (tl.dot, FMA GEMV at T=2)
     # T=1: more bytes in flight per program (deeper pipeline / wider K steps)
     "g32s4": _cfg(32, 256, 4, 4),
     "g32s5d512": _cfg(32, 256, 4, 5, 32, 512, 4, 3),
@@ -407,6 +410,33 @@ SWEEP = {
            ("hg32pf", (32, 1024, 4), (64, 512, 4), dict(pf=True), None),
            ("hg32_gu", (32, 1024, 4), (64, 512, 4), {}, "gate_up"), ("hg32_dn", (32, 1024, 4), (64, 512, 4), {}, "down"),
            ("hg16_gu", (16, 1024, 4), (32, 512, 4), {}, "gate_up"), ("hg16_dn", (16, 1024, 4), (32, 512, 4), {}, "down"))},
+    # FMA GEMV fed by a shared-memory ring of async copies (``fp4_moe_stream``; its STREAM_CONFIG):
+    # st = the default (32 rows, 512-weight steps, 3 stages, 4 warps, cp.async); sN = N stages;
+    # nB = B rows per program (both kernels); k256 = 256-weight steps; w8 = 8 warps; tma = bulk
+    # tensor copies for the weight tiles; _gu / _dn one kernel
+    **{name: dict(stream_min_tokens=1, stream_max_tokens=64, stream=scfg, **({"only": only} if only else {}))
+       for name, scfg, only in (
+           ("st", {}, None), ("st_gu", {}, "gate_up"), ("st_dn", {}, "down"),
+           ("st_s2", dict(gate_up=dict(STAGES=2), down=dict(STAGES=2)), None),
+           ("st_s4", dict(gate_up=dict(STAGES=4), down=dict(STAGES=4)), None),
+           ("st_s6", dict(gate_up=dict(STAGES=6), down=dict(STAGES=4)), None),
+           ("st_n16", dict(gate_up=dict(BLOCK_N=16), down=dict(BLOCK_N=16)), None),
+           ("st_n16s4", dict(gate_up=dict(BLOCK_N=16, STAGES=4), down=dict(BLOCK_N=16, STAGES=4)), None),
+           ("st_n64", dict(gate_up=dict(BLOCK_N=64, STAGES=2), down=dict(BLOCK_N=64, STAGES=2)), None),
+           ("st_k256", dict(gate_up=dict(BLOCK_K=256, STAGES=4), down=dict(BLOCK_K=256, STAGES=4)), None),
+           ("st_k1024", dict(gate_up=dict(BLOCK_K=1024, BLOCK_N=16), down=dict(BLOCK_K=1024, BLOCK_N=16, STAGES=2)), None),
+           ("st_w8", dict(gate_up=dict(num_warps=8), down=dict(num_warps=8)), None),
+           ("st_tma", dict(tma=True), None),
+           ("st_tma_s4", dict(tma=True, gate_up=dict(STAGES=4), down=dict(STAGES=4)), None),
+           ("st_tma_n16", dict(tma=True, gate_up=dict(BLOCK_N=16, STAGES=4), down=dict(BLOCK_N=16, STAGES=4)), None),
+           ("st_tma_k256", dict(tma=True, gate_up=dict(BLOCK_K=256, STAGES=4), down=dict(BLOCK_K=256, STAGES=4)), None),
+           ("st_w2", dict(gate_up=dict(BLOCK_N=16, num_warps=2), down=dict(BLOCK_N=16, num_warps=2)), None),
+           ("st_w2s4", dict(gate_up=dict(BLOCK_N=16, num_warps=2, STAGES=4), down=dict(BLOCK_N=16, num_warps=2, STAGES=4)), None),
+           ("st_dk256", dict(down=dict(BLOCK_K=256, STAGES=4)), None), ("st_gs4", dict(gate_up=dict(STAGES=4)), None),
+           ("st_dn16", dict(down=dict(BLOCK_N=16)), None),
+           # probes: the same grid, loads and pipeline without the FP4 math (result garbage, unchecked)
+           ("st_probe", dict(probe=True), None), ("st_tma_probe", dict(tma=True, probe=True), None),
+           ("st_gu_probe", dict(probe=True), "gate_up"), ("st_dn_probe", dict(probe=True), "down"))},
     # fp16 mma.sync kernels with fp32 block scales (``fp4_moe_hmma``; its HMMA_CONFIG): hm = the default
     # (4 warps, 2 chunks per lane and iteration, loop unrolled by two, maxnreg 168); _gu / _dn one kernel
     # (gate/up includes the small activation prologue); pf2 = weights two iterations ahead (3 rotating
@@ -446,9 +476,12 @@ def main():
     ap.add_argument("--no-humming", action="store_true")
     ap.add_argument("--ref-ts", default="1,16", help="T values at which the eager reference path is timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--flush", choices=("write", "cold"), default="write",
+    ap.add_argument("--flush", choices=("write", "cold", "rotate"), default="write",
                     help="L2 flush before each timed call: a 256 MiB write (the tables so far) or 'cold' "
-                    "(the write, then a read of it; see ColdFlush's caution)")
+                    "(the write, then a read of it; see ColdFlush's caution); 'rotate': no flush, one graph of "
+                    "--rotations calls back to back, each with another random routing (so each call finds "
+                    "its experts outside L2, as in a draft step), time per call")
+    ap.add_argument("--rotations", type=int, default=16, help="calls per graph for --flush rotate")
     ap.add_argument("--read-probe", default="", help="comma list of chunk sizes (int32 words) for a kernel that "
                     "only reads the chosen experts' bytes, timed at each T next to the op (write and cold L2 flush)")
     args = ap.parse_args()
@@ -509,11 +542,24 @@ def main():
             row["uniq"] = uniq
             row["floor"] = (uniq * bpe + 2 * x.numel() * 2 + ids.numel() * 8) / bw * 1e6
             ref = reference_f64(x, ids, rw, W, fmt)
+            id_sets = [ids] + [random_inputs(T, E, K, D, dev, gen)[1] for _ in range(max(1, args.rotations) - 1)]
+
+            def timed(make, flush_obj=None):
+                """Median µs per call of ``make(ids)()`` as a replayed graph: flushed before each
+                replay (``--flush write/cold``), or ``--flush rotate``'s calls over ``id_sets``."""
+                if args.flush == "rotate":
+                    fns = [make(i) for i in id_sets]
+                    gr = capture(lambda: [f() for f in fns])
+                    return bench(gr.replay, args.iters, 3, None) / len(fns)
+                gr = capture(make(ids))
+                return bench(gr.replay, args.iters, 5, flush_obj or timing_flush)
             # correctness of the registered op, NaN-poisoned static output
             out = torch.full_like(x, float("nan"))
 
-            def ours():
-                out.copy_(fp4_moe(x, ids, rw, *W, fmt, LIMIT))
+            def make_ours(ids_):
+                return lambda: out.copy_(fp4_moe(x, ids_, rw, *W, fmt, LIMIT))
+
+            ours = make_ours(ids)
 
             try:
                 ours()
@@ -526,8 +572,8 @@ def main():
                 g.replay()
                 torch.cuda.synchronize()
                 row["graph_err"] = rel_err(out, ref) if not torch.isnan(out).any() else float("nan")
-                row["ours"] = bench(g.replay, args.iters, 5, timing_flush)
                 del g
+                row["ours"] = timed(make_ours)
             except Exception as err:  # noqa: BLE001
                 log(f"[{fmt} T={T}] ours FAILED: {type(err).__name__}: {' '.join(str(err).split())[:600]}", file=logf)
                 traceback.print_exc(file=logf)
@@ -539,28 +585,27 @@ def main():
                     o2 = torch.full_like(x, float("nan"))
                     cfgv = SWEEP[name]
 
-                    def var(cfgv=cfgv, o2=o2):
-                        o2.copy_(tri.fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=cfgv))
+                    def make_var(ids_, cfgv=cfgv, o2=o2):
+                        return lambda: o2.copy_(tri.fp4_moe_triton(x, ids_, rw, *W, fmt, LIMIT, config=cfgv))
 
-                    var()
+                    make_var(ids)()
                     torch.cuda.synchronize()
-                    e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv else None
-                    g = capture(var)
-                    row[f"v:{name}"] = (bench(g.replay, args.iters, 5, timing_flush), e2)
-                    del g
+                    e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv and not (cfgv.get("stream") or {}).get("probe") else None
+                    row[f"v:{name}"] = (timed(make_var), e2)
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] variant {name} FAILED: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:300]}", file=logf)
             for chunk in [int(c) for c in args.read_probe.split(",") if c] if fmt == args.fmts.split(",")[0] else []:
                 try:
-                    g = capture(read_probe_runner(W, ids, chunk))
-                    row[f"read{chunk}"] = bench(g.replay, args.iters, 5, timing_flush)
-                    row[f"read{chunk}_cold"] = bench(g.replay, args.iters, 5, cold_flush)
-                    del g
+                    row[f"read{chunk}"] = timed(lambda ids_, chunk=chunk: read_probe_runner(W, ids_, chunk))
+                    if args.flush != "rotate":
+                        g = capture(read_probe_runner(W, ids, chunk))
+                        row[f"read{chunk}_cold"] = bench(g.replay, args.iters, 5, cold_flush)
+                        del g
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] read probe {chunk} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:300]}",
                         file=logf)
-            if args.read_probe and "ours" in row and fmt == args.fmts.split(",")[0]:
+            if args.read_probe and "ours" in row and fmt == args.fmts.split(",")[0] and args.flush != "rotate":
                 g = capture(ours)
                 row["ours_cold"] = bench(g.replay, args.iters, 5, cold_flush)
                 del g
@@ -577,9 +622,8 @@ def main():
                     o3 = run()
                     torch.cuda.synchronize()
                     row["hum_err"] = rel_err(o3, ref)
-                    g = capture(run)
-                    row["hum"] = bench(g.replay, args.iters, 5, timing_flush)
-                    del g
+                    del run
+                    row["hum"] = timed(lambda ids_: humming_runner(hm, x, ids_, rw))
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] humming FAILED: {type(err).__name__}: {' '.join(str(err).split())[:400]}",
                         file=logf)
@@ -590,7 +634,8 @@ def main():
         torch.cuda.empty_cache()
 
     log("", file=logf)
-    log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, L2 flushed ({args.flush}), median of "
+    log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, "
+        f"{f'{args.rotations} routings rotated back to back (no flush)' if args.flush == 'rotate' else f'L2 flushed ({args.flush})'}, median of "
         f"{args.iters}; copy bw {bw / 1e12:.2f} TB/s; floor = bytes/copy-bw; %copy = floor/time", file=logf)
     hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>4} {'floor_us':>8} {'ours_us':>8} {'xfloor':>6} {'%copy':>6} {'err':>8} "
            f"{'nan':>3} {'hum_us':>8} {'hum%':>5} {'hum_err':>8} {'ref_us':>8}")

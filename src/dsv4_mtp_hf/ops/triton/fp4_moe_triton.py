@@ -285,6 +285,14 @@ CONFIG = {
     "hmma_min_tokens": 1,
     "hmma_max_tokens": 0,
     "hmma": None,
+    # From "stream_min_tokens" to "stream_max_tokens" tokens (checked first) the gate/up and down
+    # kernels are the FMA GEMV kernels fed by a shared-memory ring of asynchronous copies
+    # (``fp4_moe_stream``; exact like ``fp4_moe_gemv``); "stream" overrides its STREAM_CONFIG.
+    # Measured on the H200 (BENCHMARKS.md, 2026-12-01, NVFP4, routings rotated): 42.3 / 73.9 / 136.9 us
+    # at T = 1 / 2 / 4 against 48.0 / 84.7 / 156.7 for the previous defaults, slower at T=16.
+    "stream_min_tokens": 1,
+    "stream_max_tokens": 4,
+    "stream": None,
 }
 
 
@@ -330,10 +338,18 @@ def _fp4_moe_triton(
     fold = bool(cfg["fold_scale"]) and bool(cfg["use_asm"]) and (is_nv or bool(cfg.get("fold_mxfp4", False)))
     only = cfg.get("only")  # timing breakdown (benchmarks/moe_op.py): one kernel, garbage result
     pdl_kw = pdl.launch_args(x.device)
-    for key in ("hmma", "hgemv", "gemv"):  # the opt-in variants, where CONFIG routes this T to one
+    # the GEMV variants, where the config routes this T to one: those the caller's ``config`` names
+    # first (so a request for one is not taken over by a default range), then in this order
+    keys = ("stream", "hmma", "hgemv", "gemv")
+    keys = sorted(keys, key=lambda kk: f"{kk}_max_tokens" not in (config or {}))
+    for key in keys:
         if "gate_up" in cfg or not cfg.get(f"{key}_min_tokens", 1) <= t <= cfg.get(f"{key}_max_tokens", 0):
             continue
-        if key == "hmma":
+        if key == "stream":
+            from . import fp4_moe_stream as mod
+
+            base, supports, launch, extra = mod.STREAM_CONFIG, mod.stream_supports, mod.launch_stream, {"fold": fold}
+        elif key == "hmma":
             from . import fp4_moe_hmma as mod
 
             base, launch, extra = mod.HMMA_CONFIG, mod.launch_hmma, {}

@@ -1,0 +1,244 @@
+"""Streamed small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA: the FMA GEMV of ``fp4_moe_gemv``
+(exact e2m1 decode, fp32 products and sums) fed by an asynchronous shared-memory ring.
+
+Why: at T=1 the register-prefetch GEMV and MMA kernels are bound by memory latency, not by issue
+or bandwidth (notes/draft_step_performance.md: ~2.8 warps per scheduler, 35-45% of DRAM peak,
+while the bytes alone read in 25.8 us).  A thread can only keep a few 16-byte loads in flight
+before it needs their registers.  Here the K loop is a ``tl.range(..., num_stages=STAGES)``
+loop: Triton's software pipeliner turns its loads into asynchronous copies into a ring of
+``STAGES`` shared-memory buffers (``cp.async``; TMA bulk copies with ``TMA=True``), so
+``STAGES - 1`` weight tiles per program are in flight while the current one is decoded, and
+no register holds a load that has not landed.  (Without an explicit ``num_stages`` on the
+loop Triton pipelines only loops with a ``tl.dot``.)
+
+Per program: BLOCK_N rows of one expert (gate/up: the gate rows and the same up rows), all of
+K in steps of BLOCK_K weights: per step a ``[BLOCK_N, BLOCK_K / 8]`` tile of packed int32 words
+per matrix, its scale bytes and the step's activations (one contiguous load of bf16 pairs).
+Numerics are those of ``fp4_moe_gemv`` (same decode, same per-group fp32 sums, same bf16
+``act * r`` between the two kernels).
+
+Kernels (fixed grids per T, CUDA-graph safe, no host sync; PDL like the default kernels):
+``_gate_up_stream_kernel`` (P, I / BLOCK_N) -> ``act [P, I]`` bf16, ``_down_stream_kernel``
+(P, D / BLOCK_N) -> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader
+program per expert (``moe_pairs._expert_rows``), one token per pass: an expert with several
+tokens re-reads its rows (from L2), so this path is for decode sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp4_moe_gemv import _decode8, _pair_of_rank, _word_dot, _x_pair
+from .fp4_moe_triton import _decode_scale
+from .moe_pairs import _expert_rows
+from .pdl import launch_args, wait
+
+# BLOCK_N rows per program, BLOCK_K weights per K step, STAGES ring buffers, warps; "tma": the
+# weight tiles by bulk tensor copies (host-built descriptors) instead of per-thread cp.async
+# (measured ~1% faster at T=1..4, within the spread: off); "probe": the same loads and pipeline
+# without the FP4 math (a garbage result; ``benchmarks/moe_op.py`` st_*probe: what the kernels'
+# structure costs apart from their arithmetic).
+STREAM_CONFIG = {
+    "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4),
+    "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4),
+    "tma": False,
+}
+
+
+def stream_config(cfg: dict | None = None) -> dict:
+    """STREAM_CONFIG with ``cfg``'s keys over it ("gate_up" / "down" merged key by key)."""
+    cfg = cfg or {}
+    out = {**STREAM_CONFIG, **cfg}
+    for kind in ("gate_up", "down"):
+        out[kind] = {**STREAM_CONFIG[kind], **(cfg.get(kind) or {})}
+    return out
+
+
+@triton.jit
+def _x_step(x_row, kk, HW: tl.constexpr):
+    """The activations of K step ``kk`` (4 HW int32 bf16-pair words, one contiguous load) as the
+    8 fp32 [1, HW] operands of ``_word_dot``: pair words 4j .. 4j+3 meet packed word j."""
+    xw = tl.load(x_row + kk * (4 * HW) + tl.arange(0, 4 * HW))
+    ev, od = tl.split(tl.reshape(xw, (HW, 2, 2)))  # words 4j + 2h, 4j + 2h + 1
+    w0, w2 = tl.split(ev)
+    w1, w3 = tl.split(od)
+    x0e, x0o = _x_pair(w0)
+    x1e, x1o = _x_pair(w1)
+    x2e, x2o = _x_pair(w2)
+    x3e, x3o = _x_pair(w3)
+    return x0e[None, :], x0o[None, :], x1e[None, :], x1o[None, :], x2e[None, :], x2o[None, :], x3e[None, :], x3o[None, :]
+
+
+@triton.jit
+def _w_tile(w_ptr, w_desc, row0, kk, HW: tl.constexpr, WROW: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """Packed int32 words [BLOCK_N, HW] of rows row0.. at K step kk (WROW words per row)."""
+    if TMA:
+        return w_desc.load([row0, kk * HW])
+    else:
+        r = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        return tl.load(w_ptr + r[:, None] * WROW + (kk * HW + tl.arange(0, HW))[None, :])
+
+
+@triton.jit
+def _s_tile(s_ptr, row0, kk, NG: tl.constexpr, NSC: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    return tl.load(s_ptr + r[:, None] * NSC + (kk * NG + tl.arange(0, NG))[None, :])
+
+
+@triton.jit
+def _gate_up_stream_kernel(
+    xw_ptr, ids_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr,
+    P, I: tl.constexpr, D: tl.constexpr,
+    TOPK: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr, LIMIT: tl.constexpr,
+    NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    wait(PDL)
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
+    if earlier == 0:
+        HW: tl.constexpr = BLOCK_K // 8  # packed int32 words per row per K step
+        WPG: tl.constexpr = G // 8  # words per scale group
+        NG: tl.constexpr = HW // WPG
+        NK: tl.constexpr = D // BLOCK_K
+        WROW: tl.constexpr = D // 8
+        NSC: tl.constexpr = D // G
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_g = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * 2I rows
+        row_u = row_g + I
+        gg = tl.load(g_ptr + 2 * e) * (9.223372036854775808e18 if FOLD else 1.0)
+        gu = tl.load(g_ptr + 2 * e + 1) * (9.223372036854775808e18 if FOLD else 1.0)
+        for ci in range(NPASS):
+            if ci < count:
+                p0 = _pair_of_rank(offs, match, rank, ci)
+                x0 = xw_ptr + (p0 // TOPK).to(tl.int64) * (D // 2)
+                acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+                if PROBE:
+                    bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
+                for kk in tl.range(NK, num_stages=STAGES):
+                    pg = _w_tile(w_ptr, w_desc, row_g, kk, HW, WROW, BLOCK_N, TMA)
+                    pu = _w_tile(w_ptr, w_desc, row_u, kk, HW, WROW, BLOCK_N, TMA)
+                    rsg = _s_tile(s_ptr, row_g, kk, NG, NSC, BLOCK_N)
+                    rsu = _s_tile(s_ptr, row_u, kk, NG, NSC, BLOCK_N)
+                    if PROBE:  # the same loads and pipeline, no FP4 math (benchmarks/moe_op.py)
+                        bits = bits ^ pg ^ pu
+                        acc_g += rsg.to(tl.float32) + rsu.to(tl.float32)
+                    else:
+                        sg = _decode_scale(rsg, IS_NV, FOLD)
+                        su = _decode_scale(rsu, IS_NV, FOLD)
+                        xa, xb, xc, xd, xe, xf, xg, xh = _x_step(x0, kk, HW)
+                        acc_g += _word_dot(_decode8(pg, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * sg
+                        acc_u += _word_dot(_decode8(pu, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * su
+                if PROBE:
+                    acc_u += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+                g = tl.minimum(tl.sum(acc_g, axis=1) * gg, LIMIT)
+                u = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1) * gu, -LIMIT), LIMIT)
+                a = g / (1.0 + tl.exp(-g)) * u * tl.load(rw_ptr + p0)
+                tl.store(act_ptr + p0.to(tl.int64) * I + n, a.to(tl.bfloat16))
+
+
+@triton.jit
+def _down_stream_kernel(
+    aw_ptr, ids_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr,
+    P, I: tl.constexpr, D: tl.constexpr,
+    PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
+    NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    wait(PDL)
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
+    if earlier == 0:
+        HW: tl.constexpr = BLOCK_K // 8
+        WPG: tl.constexpr = G // 8
+        NG: tl.constexpr = HW // WPG
+        NK: tl.constexpr = I // BLOCK_K
+        WROW: tl.constexpr = I // 8
+        NSC: tl.constexpr = I // G
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row0 = (e * D + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * D rows
+        gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
+        for ci in range(NPASS):
+            if ci < count:
+                p0 = _pair_of_rank(offs, match, rank, ci)
+                a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
+                acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+                if PROBE:
+                    bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
+                for kk in tl.range(NK, num_stages=STAGES):
+                    pw = _w_tile(w_ptr, w_desc, row0, kk, HW, WROW, BLOCK_N, TMA)
+                    rsw = _s_tile(s_ptr, row0, kk, NG, NSC, BLOCK_N)
+                    if PROBE:
+                        bits = bits ^ pw
+                        acc += rsw.to(tl.float32)
+                    else:
+                        sw = _decode_scale(rsw, IS_NV, FOLD)
+                        xa, xb, xc, xd, xe, xf, xg, xh = _x_step(a0, kk, HW)
+                        acc += _word_dot(_decode8(pw, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * sw
+                if PROBE:
+                    acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+                tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)
+
+
+def stream_supports(hidden: int, intermediate: int, cfg: dict | None = None) -> bool:
+    """Whether the blocks tile these sizes (V4-Flash and V4-Pro with the default config)."""
+    cfg = stream_config(cfg)
+    gu, dn = cfg["gate_up"], cfg["down"]
+    return (hidden % gu["BLOCK_K"] == 0 and intermediate % gu["BLOCK_N"] == 0
+            and intermediate % dn["BLOCK_K"] == 0 and hidden % dn["BLOCK_N"] == 0)
+
+
+def _descriptor(words: torch.Tensor, block_n: int, hw: int):
+    """Host-side TMA descriptor of a ``[rows, words]`` int32 matrix, tiles ``[block_n, hw]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(words, list(words.shape), [words.shape[1], 1], [block_n, hw])
+
+
+def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, *, k, group_size,
+                  is_nv, limit, use_asm, fold, cfg, only=None):
+    """Gate/up and down streamed GEMV kernels into ``act`` and ``y`` (the sum kernel is the caller's)."""
+    p = ids.numel()
+    t, d = x.shape
+    inter = act.shape[1]
+    cfg = stream_config(cfg)
+    gu, dn = cfg["gate_up"], cfg["down"]
+    for c in (gu, dn):
+        bk, bn = c["BLOCK_K"], c["BLOCK_N"]
+        if bk % group_size or bk < 64 or bk & (bk - 1) or bn & (bn - 1) or c["STAGES"] < 1:
+            raise ValueError(f"stream config {c}: BLOCK_K a power of two >= 64 and a multiple of {group_size}, "
+                             "BLOCK_N a power of two, STAGES >= 1.")
+    if not stream_supports(d, inter, cfg):
+        raise ValueError(f"D={d} / I={inter} must be multiples of the stream blocks {gu} / {dn}.")
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    tma = bool(cfg["tma"]) and not interp
+    if x.data_ptr() % 16:  # the activations are read as 16-byte vectors
+        x = x.clone()
+    w13w = w13.view(torch.int32).view(-1, d // 8)
+    w2w = w2.view(torch.int32).view(-1, inter // 8)
+    pb = max(16, triton.next_power_of_2(p))
+    common = dict(PB=pb, G=group_size, IS_NV=is_nv, NPASS=p, TMA=tma, USE_ASM=bool(use_asm) and not interp,
+                  FOLD=fold, PROBE=bool(cfg.get("probe", False)), **launch_args(x.device))
+    if only in (None, "gate_up"):
+        desc = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
+        _gate_up_stream_kernel[(p, inter // gu["BLOCK_N"])](
+            x.view(torch.int32), ids, rw, w13w, desc, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
+            p, inter, d, TOPK=k, LIMIT=float(limit), BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], STAGES=gu["STAGES"],
+            num_warps=gu["num_warps"], **common,
+        )
+    if only in (None, "down"):
+        desc = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
+        _down_stream_kernel[(p, d // dn["BLOCK_N"])](
+            act.view(torch.int32), ids, w2w, desc, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
+            p, inter, d, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], STAGES=dn["STAGES"],
+            num_warps=dn["num_warps"], **common,
+        )

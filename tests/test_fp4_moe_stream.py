@@ -1,0 +1,92 @@
+"""The streamed FMA GEMV path of ``dsv4_mtp::fp4_moe`` (``ops/triton/fp4_moe_stream.py``): under the
+Triton CPU interpreter on small shapes (both formats, experts shared by tokens, several pipeline
+depths), and (``-m gpu``) at V4 shapes against float64, with cp.async and TMA tiles, in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .helpers import run_under_triton_interpreter
+from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, check_graph_replay, make_experts, make_inputs, rel_err
+
+INTERPRETER_SCRIPT = r"""
+import torch
+from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+from tests.test_fp4_moe_op import make_experts, make_inputs, dense_f64, rel_err, LIMIT
+
+E, D, I = 6, 256, 128
+cfgs = [dict(gate_up=dict(BLOCK_N=16, BLOCK_K=64, STAGES=2, num_warps=4), down=dict(BLOCK_N=16, BLOCK_K=64, STAGES=3, num_warps=4)),
+        dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, STAGES=1, num_warps=4), down=dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, num_warps=4))]
+for fmt in ("nvfp4", "mxfp4"):
+    W = make_experts(E, D, I, fmt, seed=3)
+    for T, k in ((1, 4), (3, 2)):  # T=3, k=2 over 6 experts: some experts serve several tokens
+        x, ids, rw = make_inputs(T, E, k, D, seed=T + 5)
+        want = dense_f64(x, ids, rw, W, fmt)
+        for i, cfg in enumerate(cfgs):
+            if fmt == "mxfp4" and cfg["gate_up"]["BLOCK_K"] < 64:
+                continue
+            out = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(stream_min_tokens=1, stream_max_tokens=64, stream=cfg))
+            err = rel_err(out, want)
+            assert not torch.isnan(out).any() and err < 1e-2, (fmt, T, k, i, err)
+print("OK")
+"""
+
+
+def test_stream_kernels_under_interpreter():
+    """Both kernels, both formats, pipeline depths 1-4 (the interpreter ignores the pipelining
+    but runs every index, decode and reduction as the GPU does), against float64."""
+    run_under_triton_interpreter(INTERPRETER_SCRIPT, timeout=900)
+
+
+def test_stream_config_errors():
+    pytest.importorskip("triton")
+    from dsv4_mtp_hf.ops.triton.fp4_moe_stream import launch_stream, stream_config, stream_supports
+
+    assert stream_supports(4096, 2048) and stream_supports(7168, 3072)
+    assert not stream_supports(4096, 2048, dict(gate_up=dict(BLOCK_K=3000)))
+    assert stream_config(dict(down=dict(STAGES=5)))["down"]["BLOCK_N"] == 32
+    W = make_experts(4, 256, 128, "nvfp4")
+    x, ids, rw = make_inputs(1, 4, 2, 256)
+    act, y = torch.empty(2, 128, dtype=torch.bfloat16), torch.empty(2, 256)
+    with pytest.raises(ValueError, match="BLOCK_K a power of two"):
+        launch_stream(x, ids.view(-1), rw.view(-1), *W, act, y, k=2, group_size=16, is_nv=True, limit=LIMIT,
+                      use_asm=False, fold=False, cfg=dict(gate_up=dict(BLOCK_K=48)))
+
+
+STREAM_CFGS = {
+    "default": dict(),
+    "tma": dict(tma=True),
+    "n16s4": dict(gate_up=dict(BLOCK_N=16, STAGES=4), down=dict(BLOCK_N=16, STAGES=4)),
+    "tma_k256": dict(tma=True, gate_up=dict(BLOCK_K=256, STAGES=4), down=dict(BLOCK_K=256, STAGES=4)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape,T,k", [("flash", 1, 6), ("flash", 4, 6), ("pro", 3, 8)])
+@pytest.mark.parametrize("cfg", sorted(STREAM_CFGS))
+def test_stream_path_matches_f64(fmt, shape, T, k, cfg):
+    """Against float64, NaN-poisoned output fully written, deterministic run to run."""
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES[shape]
+    W = make_experts(E, D, I, fmt, device="cuda", seed=T * 10 + k)
+    x, ids, rw = make_inputs(T, E, k, D, device="cuda", seed=T + k)
+    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=STREAM_CFGS[cfg])
+    out = torch.full_like(x, float("nan"))
+    out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=conf))
+    again = fp4_moe_triton(x, ids.long(), rw, *W, fmt, LIMIT, config=conf)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, again)
+    assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+def test_stream_path_cuda_graph_replay(tma):
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=dict(tma=tma))
+    check_graph_replay(lambda *a: fp4_moe_triton(*a, config=conf), "nvfp4", seed=21, replays=2)
