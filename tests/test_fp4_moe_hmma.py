@@ -257,6 +257,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         ("mxfp4", 1, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=2)),
         ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(num_warps=8, ksplit=2, nsub=1), down=dict(nsub=2))),
         ("mxfp4", 9, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1))),
+        ("nvfp4", 3, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=0, stages=2)),  # staged twin
+        ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=2), down=dict(nsub=1), prefetch=0)),
     ]
     worst = 0.0
     for fmt, T, E, D, I, cfg in cases:
@@ -343,6 +345,10 @@ HM_CFGS = {
     "nsub1_pf2": dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=2),
     "w8k2": dict(gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)),
     "nsub4": dict(gate_up=dict(nsub=4), down=dict(nsub=4), maxnreg=232, w_hint=".L1::no_allocate"),
+    # the staged K loop (prefetch 0): weights, activations and scale windows through the pipeliner's ring
+    "staged": dict(prefetch=0, stages=3),
+    "staged_n1s2": dict(prefetch=0, stages=2, gate_up=dict(nsub=1), down=dict(nsub=1)),
+    "staged_w8k2": dict(prefetch=0, gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)),
 }
 
 
@@ -390,6 +396,27 @@ def test_hmma_matches_f64(fmt, shape, T):
     routed.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=ROUTE))
     again = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=ROUTE)
     assert torch.equal(routed, out) and torch.equal(again, out), seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape", ["flash", "pro"])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("cfg", ["staged", "staged_n1s2", "staged_w8k2"])
+def test_hmma_staged_matches_f64(fmt, shape, T, cfg):
+    """The staged K loop at decode sizes: every y element written, against float64, and the same
+    function as the register-prefetch loop (within rounding: both sum in fp32)."""
+    E, D, I = SHAPES[shape]
+    k = 6 if shape == "flash" else 8
+    seed = _fresh_seed()
+    W = make_experts(E, D, I, fmt, device="cuda", seed=seed)
+    x, ids, rw = make_inputs(T, E, k, D, device="cuda", seed=seed + 1)
+    y, out = _run_direct(x, ids, rw, W, fmt, HM_CFGS[cfg])
+    assert not y.isnan().any() and not out.isnan().any(), seed
+    want = _reference_f64_gpu(x, ids, rw, W, fmt)
+    assert rel_err(out, want) < 1e-2, seed
+    _, base = _run_direct(x, ids, rw, W, fmt, {})
+    assert rel_err(out, base) < 1e-3, seed
 
 
 @pytest.mark.gpu

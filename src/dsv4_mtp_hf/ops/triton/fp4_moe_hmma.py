@@ -64,6 +64,13 @@ more than the other paths, a candidate for folding into whatever produces x),
 -> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader program per expert,
 passes of 2 tokens (``moe_pairs._expert_rows``, ``fp4_moe_mma._rank_pairs``).
 
+``prefetch=0`` ("staged", opt-in): the K loop is a ``tl.range(num_stages=stages)`` loop whose weights,
+activations and per-row scale windows are plain 16-byte loads, so Triton's pipeliner turns them into a
+ring of asynchronous copies (as in ``fp4_moe_stream``; an inline-asm load in the loop, or a
+loop-carried prefetched value, stops the pipeliner, hence the plain loads and the scale windows).
+Correct on the H200 (the GPU tests) but 13x slower than ``prefetch=1`` (2026-12-01, BENCHMARKS.md:
+Nsight Compute shows 42% of the warps' time stalled on a full MIO queue, DRAM 3% busy); not routed to.
+
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value.
 """
@@ -88,7 +95,8 @@ _HM_C = tl.constexpr(HMMA_CONSTRAINTS)
 # Per kernel: warps per program, warps sharing rows (K split), 16-byte chunks per row per lane per
 # iteration.  "prefetch": 1 = the K loop unrolled by two with two weight buffers (the next
 # iteration's weights load during this one's math, no register copies), 2 = two iterations ahead
-# in three rotating buffers (costs ~20 register moves per iteration).  "maxnreg": ptxas register
+# in three rotating buffers (costs ~20 register moves per iteration), 0 = the staged loop ("stages"
+# ring buffers, default 3; see the module docstring: correct but measured 13x slower).  "maxnreg": ptxas register
 # cap; left free (~96-128) ptxas issues the prefetch loads just before their use (SASS), 168 lets
 # it issue them early and still fits 3 programs of 4 warps per SM (384 programs at T=1: one wave).
 # "w_hint": cache qualifier of the weight loads (e.g. ".L1::no_allocate").
@@ -316,9 +324,82 @@ def _chunk(acc, w, s, x, j: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexp
 
 
 @triton.jit
-def _k_loop(wa, sa, xq, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
+def _words4(p):
+    """Four int32 words from ``p [NT]`` (16-byte aligned int32 pointers): one 16-byte load per
+    lane, as 4 tensors [NT] (a plain load, so Triton's pipeliner can make it asynchronous)."""
+    t = tl.load(p[:, None] + tl.arange(0, 4)[None, :])
+    ev, od = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # words (0, 2), (1, 3)
+    w0, w2 = tl.split(ev)
+    w1, w3 = tl.split(od)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _ld_w_words(p, ROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.constexpr):
+    """``_ld_w`` by plain loads: ``p`` int32 pointers; NSUB chunks of row a, then of row b."""
+    a0, a1, a2, a3 = _words4(p)
+    b0, b1, b2, b3 = _words4(p + ROWB // 4)
+    if NSUB == 1:
+        return a0, a1, a2, a3, b0, b1, b2, b3
+    else:
+        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
+        c0, c1, c2, c3 = _words4(p + 4 * KL)
+        d0, d1, d2, d3 = _words4(p + ROWB // 4 + 4 * KL)
+        return a0, a1, a2, a3, c0, c1, c2, c3, b0, b1, b2, b3, d0, d1, d2, d3
+
+
+@triton.jit
+def _ld_x_words(p, KL: tl.constexpr, NSUB: tl.constexpr):
+    """``_ld_x`` by plain loads: per chunk 16 int32 words (four 16-byte loads)."""
+    x0, x1, x2, x3 = _words4(p)
+    x4, x5, x6, x7 = _words4(p + 4)
+    x8, x9, x10, x11 = _words4(p + 8)
+    x12, x13, x14, x15 = _words4(p + 12)
+    if NSUB == 1:
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+    else:
+        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
+        y0, y1, y2, y3 = _words4(p + 16 * KL)
+        y4, y5, y6, y7 = _words4(p + 16 * KL + 4)
+        y8, y9, y10, y11 = _words4(p + 16 * KL + 8)
+        y12, y13, y14, y15 = _words4(p + 16 * KL + 12)
+        return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+
+
+@triton.jit
+def _scale_of(win, kl, j: tl.constexpr, KL: tl.constexpr, IS_NV: tl.constexpr):
+    """Lane ``kl``'s raw scale of chunk j (as ``_ld_s`` gives it: NVFP4 two e4m3 bytes as a u16, MXFP4
+    the e8m0 byte) out of ``win [NT, SW]``, the int32 words of its row's scale bytes of this iteration."""
+    SB: tl.constexpr = 2 if IS_NV else 1
+    b = SB * (kl + KL * j)  # byte within the window
+    word = tl.sum(tl.where(tl.arange(0, win.shape[1])[None, :] == (b // 4)[:, None], win, 0), axis=1)
+    return (word >> ((b % 4) * 8)) & (0xFFFF if IS_NV else 0xFF)
+
+
+@triton.jit
+def _ld_s_window(swin, kl, SROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexpr):
+    """``_ld_s`` for the staged loop: each lane loads its rows' whole scale window of the iteration
+    (SB * KL * NSUB bytes, as int32 words, the same for the row's KL lanes) by plain loads that the
+    pipeliner makes asynchronous (a lane's own 1-2 bytes are too small for an async copy, and an
+    inline-asm load in the loop stops the pipeliner), then picks its own bytes."""
+    SW: tl.constexpr = (2 if IS_NV else 1) * KL * NSUB // 4
+    o = tl.arange(0, SW)[None, :]
+    wa_ = tl.load(swin[:, None] + o)
+    wb_ = tl.load(swin[:, None] + (SROWB // 4 + o))
+    if NSUB == 1:
+        return _scale_of(wa_, kl, 0, KL, IS_NV), _scale_of(wb_, kl, 0, KL, IS_NV)
+    else:
+        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
+        return (_scale_of(wa_, kl, 0, KL, IS_NV), _scale_of(wa_, kl, 1, KL, IS_NV),
+                _scale_of(wb_, kl, 0, KL, IS_NV), _scale_of(wb_, kl, 1, KL, IS_NV))
+
+
+@triton.jit
+def _k_loop(wa, sa, swin, kl, xq, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
             NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
-            WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr):
+            WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
+            STAGES: tl.constexpr = 3):
     """This lane's chunks of rows a and b against its B operands: (c0, c1, c2, c3) per lane."""
     NT: tl.constexpr = 32 * NW
     WST: tl.constexpr = 16 * KL * NSUB  # bytes per iteration and row
@@ -326,9 +407,30 @@ def _k_loop(wa, sa, xq, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constex
     XST: tl.constexpr = 32 * KL * NSUB  # fp16 activations per iteration
     z = tl.zeros((NT,), dtype=tl.float32)
     acc = (z, z, z, z)
+    if PF == 0 and USE_ASM:
+        # staged: weights and activations by plain 16-byte loads in a tl.range(num_stages) loop, which
+        # Triton's pipeliner turns into a ring of STAGES asynchronous copies (as ``fp4_moe_stream``);
+        # the scales as whole per-row windows (a lane's own 1-2 bytes are too small for an async copy)
+        wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
+        xq32 = xq.to(tl.pointer_type(tl.int32), bitcast=True)
+        swin32 = swin.to(tl.pointer_type(tl.int32), bitcast=True)
+        for it in tl.range(NIT, num_stages=STAGES):
+            s = _ld_s_window(swin32 + it * (SST // 4), kl, SROWB, KL, NSUB, IS_NV)
+            w = _ld_w_words(wa32 + it * (WST // 4), ROWB, KL, NSUB)
+            x = _ld_x_words(xq32 + it * (XST // 2), KL, NSUB)
+            for j in tl.static_range(NSUB):
+                acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
+        return acc
     w = _ld_w(wa, ROWB, KL, NSUB, WLD, USE_ASM)
     s = _ld_s(sa, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
-    if PF == 1:
+    if PF == 0:  # the staged loop's interpreter twin: loads in a tl.range(num_stages) loop
+        for it in tl.range(NIT, num_stages=STAGES):
+            w = _ld_w(wa + it * WST, ROWB, KL, NSUB, WLD, USE_ASM)
+            s = _ld_s(sa + it * SST, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
+            x = _ld_x(xq + it * XST, KL, NSUB, XLD, USE_ASM)
+            for j in tl.static_range(NSUB):
+                acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
+    elif PF == 1:
         # unrolled by two with two buffers, so no weight register is copied: the odd iteration's
         # weights load during the even one's math and the next even's during the odd one's.  The
         # odd iteration's scales load a whole body ahead (else ptxas issues them just before use)
@@ -392,6 +494,7 @@ def _gate_up_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr,
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
+    STAGES: tl.constexpr = 3,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -415,8 +518,8 @@ def _gate_up_hmma_kernel(
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             xq = xh_ptr + _b_row(pairs8, g, c0r, count, T, q, TOPK) * D + kl * 32
-            acc = _k_loop(wa, sa, xq, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
-                          WLD, SLD, XLD, USE_ASM)
+            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
+                          WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
@@ -436,7 +539,7 @@ def _down_hmma_kernel(
     act_ptr, ids_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P,
     I: tl.constexpr, D: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr, YSCALE: tl.constexpr,
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
-    WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
+    WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -458,8 +561,8 @@ def _down_hmma_kernel(
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             xq = act_ptr + _b_row(pairs8, g, c0r, count, P, q, 1) * I + kl * 32
-            acc = _k_loop(wa, sa, xq, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
-                          WLD, SLD, XLD, USE_ASM)
+            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
+                          WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
@@ -495,9 +598,12 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     act16 = torch.empty(p + 1, inter, dtype=torch.float16, device=dev)
     pb = max(16, triton.next_power_of_2(p))
     pf = int(cfg["prefetch"])
-    if pf not in (1, 2):
-        raise ValueError(f"hmma prefetch must be 1 or 2, got {pf}.")
+    if pf not in (0, 1, 2):
+        raise ValueError(f"hmma prefetch must be 0 (staged), 1 or 2, got {pf}.")
     gu, dn = cfg["gate_up"], cfg["down"]
+    stages = int(cfg.get("stages", 3))
+    if pf == 0 and (stages < 1 or gu["nsub"] > 2 or dn["nsub"] > 2):
+        raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1 and nsub 1 or 2, got {stages}, {gu['nsub']}, {dn['nsub']}.")
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}
     if only in (None, "gate_up"):
         _x_f16_kernel[(t + 1,)](x, xh, xs, act16, t, p, d, inter, DP=triton.next_power_of_2(d),
@@ -508,7 +614,7 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
             xh, xs, ids, w13.view(torch.uint8), w13_scale.view(torch.uint8), w13_global.float().contiguous(), act16, p,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
@@ -516,5 +622,5 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         _down_hmma_kernel[(p, d // (16 * nw // ks))](
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, num_warps=nw, num_stages=1, **regs,
         )
