@@ -238,7 +238,8 @@ def step_variants():
     the step)."""
     import functools
 
-    stream_off = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG, "stream_max_tokens": 0}
+    stream_off = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG,
+                  "stream_max_tokens": 0, "gemv_min_tokens": 2, "gemv_max_tokens": 2}
     return [("routed MoE without the streamed GEMV", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", stream_off)),
             ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),

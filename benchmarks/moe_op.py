@@ -9,7 +9,9 @@ For each format and T it draws fresh random packed weights / activations / routi
 checks the op (NaN-poisoned output, every element written) against a float64
 dequantise-and-matmul reference of the same packed weights, then times (CUDA graph
 replay, L2 flushed with a 256 MiB memset before every timed replay -- ``--flush cold``: the
-memset, then a read of it (experimental, see ``ColdFlush``) -- median of N):
+memset, then a read of it (experimental, see ``ColdFlush``); ``--flush rotate``: no flush, one
+graph of ``--rotations`` calls back to back, each with another random routing, so every call
+reads its experts from HBM as in a draft step (the method of the 2026-12-01 tables) -- median of N):
 
 * ours      -- the op as registered for CUDA (Triton, ``fp4_moe_triton.CONFIG``),
 * variants  -- a few launch configurations of the same kernels (``--sweep``; ``mma*``
@@ -358,7 +360,7 @@ SWEEP = {
     "m8k2": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=2, down_warps=8, down_ksplit=2)),
     "m8k4": dict(mma_max_tokens=64, mma=dict(gate_up_warps=8, gate_up_ksplit=4, down_warps=8, down_ksplit=4)),
     "nofold": dict(fold_scale=False),
-    "gv_t2": dict(stream_max_tokens=0),  # the defaults before the streamed GEMV (tl.dot, FMA GEMV at T=2)
+    "gv_t2": dict(stream_max_tokens=0, gemv_min_tokens=2, gemv_max_tokens=2),  # the defaults before the streamed GEMV
     # T=1: more bytes in flight per program (deeper pipeline / wider K steps)
     "g32s4": _cfg(32, 256, 4, 4),
     "g32s5d512": _cfg(32, 256, 4, 5, 32, 512, 4, 3),
@@ -452,7 +454,13 @@ SWEEP = {
            ("hm_r128", dict(maxnreg=128), None), ("hm_rfree", dict(maxnreg=None), None),
            ("hm_w2", dict(gate_up=dict(num_warps=2), down=dict(num_warps=2)), None),
            ("hm_w8k2", dict(gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)), None),
-           ("hm_na", dict(w_hint=".L1::no_allocate"), None))},
+           ("hm_na", dict(w_hint=".L1::no_allocate"), None),
+           # staged K loop (prefetch 0): loads through the pipeliner's shared-memory ring, sN = N stages
+           ("hm_st", dict(prefetch=0, stages=3), None), ("hm_st2", dict(prefetch=0, stages=2), None),
+           ("hm_st_n1", dict(prefetch=0, stages=3, gate_up=dict(nsub=1), down=dict(nsub=1)), None),
+           ("hm_st_n1s4", dict(prefetch=0, stages=4, gate_up=dict(nsub=1), down=dict(nsub=1)), None),
+           ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)), None),
+           ("hm_st_gu", dict(prefetch=0, stages=3), "gate_up"), ("hm_st_dn", dict(prefetch=0, stages=3), "down"))},
 }
 
 

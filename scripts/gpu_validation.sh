@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
-# parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, linear, ncu,
+# parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
 # hmma, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
@@ -28,6 +28,9 @@ for part in $parts; do
     moe)     run moe python3 benchmarks/moe_op.py --out "$OUT" --iters 20 ;;
     batched32) run batched32 python3 benchmarks/batched_generate.py --dtype float32 --layers 2 --no-demo --repeats 1 --out "$OUT/fp32" ;;
     moesweep) run moesweep python3 benchmarks/moe_op.py --fmts nvfp4 --ts 1,2,4 --ref-ts "" --no-humming --read-probe 4096 --sweep gv32@1+2,gvrow@1,dot --out "$OUT/sweep" ;;
+    stream)  run stream_tests python3 -m pytest tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider
+             run stream python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4 --ts 1,2,4,16 --ref-ts "" \
+               --flush rotate --iters 30 --read-probe 4096 --sweep gv_t2,st_probe@1,st_gu@1,st_dn@1,st_tma,hg32@1,hm@1 --out "$OUT/sweep" ;;
     linear)  run linear python3 benchmarks/linear_op.py --flush read --out "$OUT" ;;
     hmma)    run hmma_subnormal python3 -m pytest tests/test_fp4_moe_hmma.py -m gpu -q -k subnormal -p no:cacheprovider
              run hmma_tests python3 -m pytest tests/test_fp4_moe_hmma.py -m gpu -q -p no:cacheprovider
@@ -40,10 +43,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, linear, ncu, hmma, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick batched batched32 moe moesweep hmmasweep attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick batched batched32 moe moesweep stream hmmasweep attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"

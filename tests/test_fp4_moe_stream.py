@@ -90,3 +90,39 @@ def test_stream_path_cuda_graph_replay(tma):
 
     conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=dict(tma=tma))
     check_graph_replay(lambda *a: fp4_moe_triton(*a, config=conf), "nvfp4", seed=21, replays=2)
+
+
+@pytest.mark.parametrize("T,config,want", [
+    (1, None, "stream"), (4, None, "stream"),  # the default range
+    (1, dict(gemv_min_tokens=1, gemv_max_tokens=64), "gemv"),  # a caller's range wins over the default
+    (2, dict(hgemv_min_tokens=1, hgemv_max_tokens=64), "hgemv"),
+    (1, dict(stream_max_tokens=0), "dot"),
+])
+def test_variant_routing(monkeypatch, T, config, want):
+    """Which kernels ``fp4_moe_triton`` launches for T tokens (the launchers are replaced by recorders,
+    so nothing runs)."""
+    pytest.importorskip("triton")
+    from dsv4_mtp_hf.ops.triton import fp4_moe_gemv, fp4_moe_hgemv, fp4_moe_stream, fp4_moe_triton as tri
+
+    class Launched(Exception):
+        pass
+
+    def recorder(name):
+        def launch(*a, **k):
+            raise Launched(name)
+        return launch
+
+    monkeypatch.setattr(fp4_moe_stream, "launch_stream", recorder("stream"))
+    monkeypatch.setattr(fp4_moe_gemv, "launch_gemv", recorder("gemv"))
+    monkeypatch.setattr(fp4_moe_hgemv, "launch_hgemv", recorder("hgemv"))
+
+    class DotLaunch:
+        def __getitem__(self, grid):
+            raise Launched("dot")
+
+    monkeypatch.setattr(tri, "_gate_up_kernel", DotLaunch())
+    W = make_experts(8, 1024, 512, "nvfp4")
+    x, ids, rw = make_inputs(T, 8, 2, 1024)
+    with pytest.raises(Launched) as got:
+        tri.fp4_moe_triton(x, ids, rw, *W, "nvfp4", LIMIT, config=config)
+    assert str(got.value) == want

@@ -12,7 +12,8 @@ Small programs (16-32 rows), many warps per SM, the next K chunk loaded one iter
 ahead: enough bytes in flight without shared memory.
 
 Status (H200, 2026-11-30, BENCHMARKS.md): correct (both formats, V4-Flash and V4-Pro shapes,
-T=1..16), the default at T=2 only (9-10% faster than ``tl.dot`` there); equal at T=1 with
+T=1..16), the default at T=2 only (9-10% faster than ``tl.dot`` there) until 2026-12-01, when the
+same math fed by a shared-memory ring (``fp4_moe_stream``) beat it at T=1..4; now opt-in; equal at T=1 with
 BLOCK_N=32 and slower with 16 or 8, about even at T=4, slower from T=8.  A second K step in
 flight (PF=2) and M=2 were slower everywhere.  The loop is 4.6-4.8 SASS instructions per weight
 (gate/up), so at T=1 it is not issue-bound either (42.7 us measured against a 14.5 us issue

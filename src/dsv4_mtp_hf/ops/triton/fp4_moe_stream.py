@@ -17,6 +17,12 @@ per matrix, its scale bytes and the step's activations (one contiguous load of b
 Numerics are those of ``fp4_moe_gemv`` (same decode, same per-group fp32 sums, same bf16
 ``act * r`` between the two kernels).
 
+Status (H200, 2026-12-01, BENCHMARKS.md, routings rotated so every call reads its experts from
+HBM): the default at T=1..4, 42.3 / 72.7 / 133.4 us at T=1/2/4 (NVFP4; MXFP4 42.4 / 74.7 / 140.3)
+against 47.5 / 84.4 / 156.4 for the previous defaults in the same run; slower than ``tl.dot`` at
+T=16.  Still 2.1x the bandwidth floor at T=1: the same kernels with the FP4 math replaced by an
+xor (``probe``) take 30 us, the arithmetic (4.55 SASS instructions per weight, gate/up) the rest.
+
 Kernels (fixed grids per T, CUDA-graph safe, no host sync; PDL like the default kernels):
 ``_gate_up_stream_kernel`` (P, I / BLOCK_N) -> ``act [P, I]`` bf16, ``_down_stream_kernel``
 (P, D / BLOCK_N) -> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader

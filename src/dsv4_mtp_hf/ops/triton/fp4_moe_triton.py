@@ -17,8 +17,10 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
-``CONFIG["gemv_min_tokens"] .. ["gemv_max_tokens"]`` (default: T=2 only, where it measured
-9-10% faster) routes steps 1-2 to the FMA GEMV kernels of ``fp4_moe_gemv``.
+``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..4, where it measured
+11-15% faster, BENCHMARKS.md 2026-12-01) routes steps 1-2 to the streamed FMA GEMV kernels of
+``fp4_moe_stream``; the other ``*_min_tokens`` / ``*_max_tokens`` ranges (all off by default)
+route to the opt-in variants ``fp4_moe_gemv``, ``fp4_moe_hgemv`` and ``fp4_moe_hmma``.
 
 The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
 against the even / odd columns of the activations, so no nibble interleave is needed.
@@ -264,9 +266,10 @@ CONFIG = {
     # their launch configuration (``fp4_moe_gemv.GEMV_CONFIG`` keys).  Measured on the H200
     # (BENCHMARKS.md, 2026-11-30, two runs): 9-10% faster than these tl.dot kernels at T=2
     # (90.6 / 90.3 vs 99.6 / 99.9 us); at T=4 +3% / -2% (a wash); at T=1 equal with BLOCK_N=32
-    # and 17-22% slower with 16 or 8; 19-38% slower from T=8.  So T=2 only.
+    # and 17-22% slower with 16 or 8; 19-38% slower from T=8.  So it was the default at T=2 only,
+    # until the streamed GEMV below beat it there (2026-12-01: 72.7 vs 84.4 us, NVFP4): now off.
     "gemv_min_tokens": 2,
-    "gemv_max_tokens": 2,
+    "gemv_max_tokens": 0,
     "gemv": None,
     # From "hgemv_min_tokens" to "hgemv_max_tokens" tokens (checked before "gemv_*") the gate/up
     # and down kernels are the fp16x2 (HFMA2) GEMV kernels of ``fp4_moe_hgemv``; "hgemv"
