@@ -86,7 +86,7 @@ import triton.language as tl
 
 from .fp4_moe_mma import _lanes, _pick, _rank_pairs
 from .mma_ptx import HMMA_CONSTRAINTS, hmma_asm, ldg_asm
-from .moe_pairs import _expert_rows
+from .moe_pairs import _expert_rows, merged_config
 
 _HM_NV = tl.constexpr(hmma_asm("nvfp4"))
 _HM_MX = tl.constexpr(hmma_asm("mxfp4"))
@@ -124,11 +124,7 @@ def act_prescale(limit: float) -> int | None:
 
 def hmma_config(cfg: dict | None = None) -> dict:
     """HMMA_CONFIG with ``cfg``'s keys over it ("gate_up" / "down" merged key by key)."""
-    cfg = cfg or {}
-    out = {**HMMA_CONFIG, **cfg}
-    for kind in ("gate_up", "down"):
-        out[kind] = {**HMMA_CONFIG[kind], **(cfg.get(kind) or {})}
-    return out
+    return merged_config(HMMA_CONFIG, cfg)
 
 
 def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit: float = 10.0) -> bool:

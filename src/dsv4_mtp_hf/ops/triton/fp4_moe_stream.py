@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .fp4_moe_gemv import _decode8, _pair_of_rank, _word_dot, _x_pair
 from .fp4_moe_triton import _decode_scale
-from .moe_pairs import _expert_rows
+from .moe_pairs import _expert_rows, merged_config
 from .pdl import launch_args, wait
 
 # BLOCK_N rows per program, BLOCK_K weights per K step, STAGES ring buffers, warps; "tma": the
@@ -57,11 +57,7 @@ STREAM_CONFIG = {
 
 def stream_config(cfg: dict | None = None) -> dict:
     """STREAM_CONFIG with ``cfg``'s keys over it ("gate_up" / "down" merged key by key)."""
-    cfg = cfg or {}
-    out = {**STREAM_CONFIG, **cfg}
-    for kind in ("gate_up", "down"):
-        out[kind] = {**STREAM_CONFIG[kind], **(cfg.get(kind) or {})}
-    return out
+    return merged_config(STREAM_CONFIG, cfg)
 
 
 @triton.jit
@@ -93,6 +89,16 @@ def _w_tile(w_ptr, w_desc, row0, kk, HW: tl.constexpr, WROW: tl.constexpr, BLOCK
 def _s_tile(s_ptr, row0, kk, NG: tl.constexpr, NSC: tl.constexpr, BLOCK_N: tl.constexpr):
     r = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
     return tl.load(s_ptr + r[:, None] * NSC + (kk * NG + tl.arange(0, NG))[None, :])
+
+
+@triton.jit
+def _tile_dot(pw, rsw, x8, BLOCK_N: tl.constexpr, HW: tl.constexpr, WPG: tl.constexpr, IS_NV: tl.constexpr,
+              USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+    """One K step: the rows' packed words ``pw`` and raw scales ``rsw`` against the step's activations
+    (``_x_step``) -> fp32 per-scale-group sums times their block scales, [BLOCK_N, HW // WPG]."""
+    xa, xb, xc, xd, xe, xf, xg, xh = x8
+    return (_word_dot(_decode8(pw, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG)
+            * _decode_scale(rsw, IS_NV, FOLD))
 
 
 @triton.jit
@@ -137,11 +143,9 @@ def _gate_up_stream_kernel(
                         bits = bits ^ pg ^ pu
                         acc_g += rsg.to(tl.float32) + rsu.to(tl.float32)
                     else:
-                        sg = _decode_scale(rsg, IS_NV, FOLD)
-                        su = _decode_scale(rsu, IS_NV, FOLD)
-                        xa, xb, xc, xd, xe, xf, xg, xh = _x_step(x0, kk, HW)
-                        acc_g += _word_dot(_decode8(pg, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * sg
-                        acc_u += _word_dot(_decode8(pu, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * su
+                        x8 = _x_step(x0, kk, HW)
+                        acc_g += _tile_dot(pg, rsg, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
+                        acc_u += _tile_dot(pu, rsu, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
                 if PROBE:
                     acc_u += tl.sum(bits, axis=1).to(tl.float32)[:, None]
                 g = tl.minimum(tl.sum(acc_g, axis=1) * gg, LIMIT)
@@ -187,9 +191,7 @@ def _down_stream_kernel(
                         bits = bits ^ pw
                         acc += rsw.to(tl.float32)
                     else:
-                        sw = _decode_scale(rsw, IS_NV, FOLD)
-                        xa, xb, xc, xd, xe, xf, xg, xh = _x_step(a0, kk, HW)
-                        acc += _word_dot(_decode8(pw, USE_ASM, FOLD), xa, xb, xc, xd, xe, xf, xg, xh, BLOCK_N, HW, WPG) * sw
+                        acc += _tile_dot(pw, rsw, _x_step(a0, kk, HW), BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
                 if PROBE:
                     acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
                 tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)

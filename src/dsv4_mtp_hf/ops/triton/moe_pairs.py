@@ -12,6 +12,16 @@ import triton.language as tl
 from .pdl import wait
 
 
+def merged_config(base: dict, cfg: dict | None) -> dict:
+    """A kernel family's launch configuration: ``base`` with ``cfg``'s keys over it, the per-kernel
+    "gate_up" / "down" dicts merged key by key."""
+    cfg = cfg or {}
+    out = {**base, **cfg}
+    for kind in ("gate_up", "down"):
+        out[kind] = {**base[kind], **(cfg.get(kind) or {})}
+    return out
+
+
 def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     """``topk_ids [T, k]`` (integers, checked by ``check_fp4_moe_inputs``) as the kernels' flat
     ``[P]`` ids: int32 and int64 as they are (the router's int64 ids cost no conversion
