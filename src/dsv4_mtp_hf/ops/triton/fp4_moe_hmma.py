@@ -68,8 +68,11 @@ passes of 2 tokens (``moe_pairs._expert_rows``, ``fp4_moe_mma._rank_pairs``).
 activations and per-row scale windows are plain 16-byte loads, so Triton's pipeliner turns them into a
 ring of asynchronous copies (as in ``fp4_moe_stream``; an inline-asm load in the loop, or a
 loop-carried prefetched value, stops the pipeliner, hence the plain loads and the scale windows).
-Correct on the H200 (the GPU tests) but 13x slower than ``prefetch=1`` (2026-12-01, BENCHMARKS.md:
-Nsight Compute shows 42% of the warps' time stalled on a full MIO queue, DRAM 3% busy); not routed to.
+Correct on the H200 (the GPU tests) but slower than ``prefetch=1`` (2026-12-01, BENCHMARKS.md): first
+13x (610 us at T=1; Nsight Compute: 42% of the warps' time stalled on a full MIO queue, DRAM 3% busy),
+when every lane copied its B operand, the zero row for 28 of 32 lanes (same-address async copies
+serialise); with those copies masked off, 92 us against 45 us for ``prefetch=1``.  The per-row scale
+windows are still read by the row's four lanes from one address: the next suspect.  Not routed to.
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value.
@@ -96,7 +99,7 @@ _HM_C = tl.constexpr(HMMA_CONSTRAINTS)
 # iteration.  "prefetch": 1 = the K loop unrolled by two with two weight buffers (the next
 # iteration's weights load during this one's math, no register copies), 2 = two iterations ahead
 # in three rotating buffers (costs ~20 register moves per iteration), 0 = the staged loop ("stages"
-# ring buffers, default 3; see the module docstring: correct but measured 13x slower).  "maxnreg": ptxas register
+# ring buffers, default 3; see the module docstring: correct but measured 2x slower).  "maxnreg": ptxas register
 # cap; left free (~96-128) ptxas issues the prefetch loads just before their use (SASS), 168 lets
 # it issue them early and still fits 3 programs of 4 warps per SM (384 programs at T=1: one wave).
 # "w_hint": cache qualifier of the weight loads (e.g. ".L1::no_allocate").
@@ -320,10 +323,14 @@ def _chunk(acc, w, s, x, j: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexp
 
 
 @triton.jit
-def _words4(p):
+def _words4(p, feed=None):
     """Four int32 words from ``p [NT]`` (16-byte aligned int32 pointers): one 16-byte load per
-    lane, as 4 tensors [NT] (a plain load, so Triton's pipeliner can make it asynchronous)."""
-    t = tl.load(p[:, None] + tl.arange(0, 4)[None, :])
+    lane, as 4 tensors [NT] (a plain load, so Triton's pipeliner can make it asynchronous).
+    ``feed [NT]``: lanes that load (the others get zeros without touching memory)."""
+    if feed is None:
+        t = tl.load(p[:, None] + tl.arange(0, 4)[None, :])
+    else:
+        t = tl.load(p[:, None] + tl.arange(0, 4)[None, :], mask=feed[:, None], other=0)
     ev, od = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # words (0, 2), (1, 3)
     w0, w2 = tl.split(ev)
     w1, w3 = tl.split(od)
@@ -345,20 +352,21 @@ def _ld_w_words(p, ROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.constexpr):
 
 
 @triton.jit
-def _ld_x_words(p, KL: tl.constexpr, NSUB: tl.constexpr):
-    """``_ld_x`` by plain loads: per chunk 16 int32 words (four 16-byte loads)."""
-    x0, x1, x2, x3 = _words4(p)
-    x4, x5, x6, x7 = _words4(p + 4)
-    x8, x9, x10, x11 = _words4(p + 8)
-    x12, x13, x14, x15 = _words4(p + 12)
+def _ld_x_words(p, feed, KL: tl.constexpr, NSUB: tl.constexpr):
+    """``_ld_x`` by plain loads: per chunk 16 int32 words (four 16-byte loads); lanes that feed no
+    B column (``feed`` False) read nothing and hold zeros (as the zero row would give them)."""
+    x0, x1, x2, x3 = _words4(p, feed)
+    x4, x5, x6, x7 = _words4(p + 4, feed)
+    x8, x9, x10, x11 = _words4(p + 8, feed)
+    x12, x13, x14, x15 = _words4(p + 12, feed)
     if NSUB == 1:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     else:
         tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
-        y0, y1, y2, y3 = _words4(p + 16 * KL)
-        y4, y5, y6, y7 = _words4(p + 16 * KL + 4)
-        y8, y9, y10, y11 = _words4(p + 16 * KL + 8)
-        y12, y13, y14, y15 = _words4(p + 16 * KL + 12)
+        y0, y1, y2, y3 = _words4(p + 16 * KL, feed)
+        y4, y5, y6, y7 = _words4(p + 16 * KL + 4, feed)
+        y8, y9, y10, y11 = _words4(p + 16 * KL + 8, feed)
+        y12, y13, y14, y15 = _words4(p + 16 * KL + 12, feed)
         return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
 
@@ -392,7 +400,7 @@ def _ld_s_window(swin, kl, SROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.const
 
 
 @triton.jit
-def _k_loop(wa, sa, swin, kl, xq, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
+def _k_loop(wa, sa, swin, kl, xq, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
             NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
             WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
             STAGES: tl.constexpr = 3):
@@ -413,7 +421,7 @@ def _k_loop(wa, sa, swin, kl, xq, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: 
         for it in tl.range(NIT, num_stages=STAGES):
             s = _ld_s_window(swin32 + it * (SST // 4), kl, SROWB, KL, NSUB, IS_NV)
             w = _ld_w_words(wa32 + it * (WST // 4), ROWB, KL, NSUB)
-            x = _ld_x_words(xq32 + it * (XST // 2), KL, NSUB)
+            x = _ld_x_words(xq32 + it * (XST // 2), feed, KL, NSUB)
             for j in tl.static_range(NSUB):
                 acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
         return acc
@@ -513,8 +521,9 @@ def _gate_up_hmma_kernel(
         c0r = count * 0
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
-            xq = xh_ptr + _b_row(pairs8, g, c0r, count, T, q, TOPK) * D + kl * 32
-            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
+            brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
+            xq = xh_ptr + brow * D + kl * 32
+            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
@@ -556,8 +565,9 @@ def _down_hmma_kernel(
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
-            xq = act_ptr + _b_row(pairs8, g, c0r, count, P, q, 1) * I + kl * 32
-            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
+            brow = _b_row(pairs8, g, c0r, count, P, q, 1)
+            xq = act_ptr + brow * I + kl * 32
+            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
