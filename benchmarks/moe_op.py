@@ -550,17 +550,17 @@ def main():
             row["uniq"] = uniq
             row["floor"] = (uniq * bpe + 2 * x.numel() * 2 + ids.numel() * 8) / bw * 1e6
             ref = reference_f64(x, ids, rw, W, fmt)
-            id_sets = [ids] + [random_inputs(T, E, K, D, dev, gen)[1] for _ in range(max(1, args.rotations) - 1)]
+            id_sets = [ids] + ([random_inputs(T, E, K, D, dev, gen)[1] for _ in range(max(1, args.rotations) - 1)]
+                               if args.flush == "rotate" else [])
 
-            def timed(make, flush_obj=None):
+            def timed(make):
                 """Median µs per call of ``make(ids)()`` as a replayed graph: flushed before each
                 replay (``--flush write/cold``), or ``--flush rotate``'s calls over ``id_sets``."""
                 if args.flush == "rotate":
                     fns = [make(i) for i in id_sets]
                     gr = capture(lambda: [f() for f in fns])
                     return bench(gr.replay, args.iters, 3, None) / len(fns)
-                gr = capture(make(ids))
-                return bench(gr.replay, args.iters, 5, flush_obj or timing_flush)
+                return bench(capture(make(ids)).replay, args.iters, 5, timing_flush)
             # correctness of the registered op, NaN-poisoned static output
             out = torch.full_like(x, float("nan"))
 

@@ -411,30 +411,31 @@ def _k_loop(wa, sa, swin, kl, xq, feed, NIT: tl.constexpr, ROWB: tl.constexpr, S
     XST: tl.constexpr = 32 * KL * NSUB  # fp16 activations per iteration
     z = tl.zeros((NT,), dtype=tl.float32)
     acc = (z, z, z, z)
-    if PF == 0 and USE_ASM:
+    if PF == 0:
         # staged: weights and activations by plain 16-byte loads in a tl.range(num_stages) loop, which
         # Triton's pipeliner turns into a ring of STAGES asynchronous copies (as ``fp4_moe_stream``);
         # the scales as whole per-row windows (a lane's own 1-2 bytes are too small for an async copy)
-        wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
-        xq32 = xq.to(tl.pointer_type(tl.int32), bitcast=True)
-        swin32 = swin.to(tl.pointer_type(tl.int32), bitcast=True)
-        for it in tl.range(NIT, num_stages=STAGES):
-            s = _ld_s_window(swin32 + it * (SST // 4), kl, SROWB, KL, NSUB, IS_NV)
-            w = _ld_w_words(wa32 + it * (WST // 4), ROWB, KL, NSUB)
-            x = _ld_x_words(xq32 + it * (XST // 2), feed, KL, NSUB)
-            for j in tl.static_range(NSUB):
-                acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
+        if USE_ASM:
+            wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
+            xq32 = xq.to(tl.pointer_type(tl.int32), bitcast=True)
+            swin32 = swin.to(tl.pointer_type(tl.int32), bitcast=True)
+            for it in tl.range(NIT, num_stages=STAGES):
+                s = _ld_s_window(swin32 + it * (SST // 4), kl, SROWB, KL, NSUB, IS_NV)
+                w = _ld_w_words(wa32 + it * (WST // 4), ROWB, KL, NSUB)
+                x = _ld_x_words(xq32 + it * (XST // 2), feed, KL, NSUB)
+                for j in tl.static_range(NSUB):
+                    acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
+        else:  # its interpreter twin: the emulated loads in the same loop
+            for it in tl.range(NIT, num_stages=STAGES):
+                w = _ld_w(wa + it * WST, ROWB, KL, NSUB, WLD, USE_ASM)
+                s = _ld_s(sa + it * SST, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
+                x = _ld_x(xq + it * XST, KL, NSUB, XLD, USE_ASM)
+                for j in tl.static_range(NSUB):
+                    acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
         return acc
     w = _ld_w(wa, ROWB, KL, NSUB, WLD, USE_ASM)
     s = _ld_s(sa, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
-    if PF == 0:  # the staged loop's interpreter twin: loads in a tl.range(num_stages) loop
-        for it in tl.range(NIT, num_stages=STAGES):
-            w = _ld_w(wa + it * WST, ROWB, KL, NSUB, WLD, USE_ASM)
-            s = _ld_s(sa + it * SST, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
-            x = _ld_x(xq + it * XST, KL, NSUB, XLD, USE_ASM)
-            for j in tl.static_range(NSUB):
-                acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
-    elif PF == 1:
+    if PF == 1:
         # unrolled by two with two buffers, so no weight register is copied: the odd iteration's
         # weights load during the even one's math and the next even's during the odd one's.  The
         # odd iteration's scales load a whole body ahead (else ptxas issues them just before use)
