@@ -455,12 +455,17 @@ SWEEP = {
            ("hm_w2", dict(gate_up=dict(num_warps=2), down=dict(num_warps=2)), None),
            ("hm_w8k2", dict(gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)), None),
            ("hm_na", dict(w_hint=".L1::no_allocate"), None),
-           # staged K loop (prefetch 0): loads through the pipeliner's shared-memory ring, sN = N stages
-           ("hm_st", dict(prefetch=0, stages=3), None), ("hm_st2", dict(prefetch=0, stages=2), None),
-           ("hm_st_n1", dict(prefetch=0, stages=3, gate_up=dict(nsub=1), down=dict(nsub=1)), None),
-           ("hm_st_n1s4", dict(prefetch=0, stages=4, gate_up=dict(nsub=1), down=dict(nsub=1)), None),
-           ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)), None),
-           ("hm_st_gu", dict(prefetch=0, stages=3), "gate_up"), ("hm_st_dn", dict(prefetch=0, stages=3), "down"))},
+           # staged K loop (prefetch 0): loads through the pipeliner's shared-memory ring, each lane slot a contiguous
+           # quarter of the row; hm_st = nsub 4 (both formats), sN = N stages, n2 = nsub 2 (NVFP4 only)
+           ("hm_st", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st2", dict(prefetch=0, stages=2, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st4", dict(prefetch=0, stages=4, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_n2", dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           ("hm_st_n2s4", dict(prefetch=0, stages=4, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
+           ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
+           ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),
+           ("hm_st_dn", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "down"))},
 }
 
 
@@ -592,6 +597,12 @@ def main():
                 try:
                     o2 = torch.full_like(x, float("nan"))
                     cfgv = SWEEP[name]
+                    if "hmma" in cfgv:  # an unsupported hmma config would time the op's other path under its name
+                        from dsv4_mtp_hf.ops.triton.fp4_moe_hmma import hmma_supports
+
+                        if not hmma_supports(D, I, cfgv["hmma"], LIMIT, fmt == "nvfp4"):
+                            log(f"[{fmt} T={T}] variant {name}: not supported for this format / shape, skipped", file=logf)
+                            continue
 
                     def make_var(ids_, cfgv=cfgv, o2=o2):
                         return lambda: o2.copy_(tri.fp4_moe_triton(x, ids_, rw, *W, fmt, LIMIT, config=cfgv))

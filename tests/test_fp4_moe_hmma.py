@@ -257,8 +257,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         ("mxfp4", 1, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=2)),
         ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(num_warps=8, ksplit=2, nsub=1), down=dict(nsub=2))),
         ("mxfp4", 9, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1))),
-        ("nvfp4", 3, 4, 512, 256, dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=0, stages=2)),  # staged twin
-        ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=2), down=dict(nsub=1), prefetch=0)),
+        # the staged loop's twin (contiguous lane quarters): 4 / 8 scale bytes per lane and iteration, a K split
+        ("nvfp4", 3, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, stages=2)),
+        ("nvfp4", 2, 4, 1024, 512, dict(gate_up=dict(num_warps=8, ksplit=2, nsub=2), down=dict(nsub=4), prefetch=0)),
+        ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=4), down=dict(nsub=4), prefetch=0)),
     ]
     worst = 0.0
     for fmt, T, E, D, I, cfg in cases:
@@ -267,7 +269,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         x = (torch.randn(T, D, generator=g) * 3).to(torch.bfloat16)
         ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
         rw = (torch.rand(T, k, generator=g) + 0.2).float()
-        assert hm.hmma_supports(D, I, cfg, L), cfg
+        assert hm.hmma_supports(D, I, cfg, L, fmt == "nvfp4"), cfg
         # the kernels alone, into a NaN-poisoned y: every element written, fp32 sums vs float64
         y = torch.full((T * k, D), float("nan"))
         hm.launch_hmma(x, ids.view(-1), rw.view(-1).contiguous(), *W, None, y, k=k,
@@ -345,11 +347,13 @@ HM_CFGS = {
     "nsub1_pf2": dict(gate_up=dict(nsub=1), down=dict(nsub=1), prefetch=2),
     "w8k2": dict(gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)),
     "nsub4": dict(gate_up=dict(nsub=4), down=dict(nsub=4), maxnreg=232, w_hint=".L1::no_allocate"),
-    # the staged K loop (prefetch 0): weights, activations and scale windows through the pipeliner's ring
-    "staged": dict(prefetch=0, stages=3),
-    "staged_n1s2": dict(prefetch=0, stages=2, gate_up=dict(nsub=1), down=dict(nsub=1)),
-    "staged_w8k2": dict(prefetch=0, gate_up=dict(num_warps=8, ksplit=2), down=dict(num_warps=8, ksplit=2)),
+    # the staged K loop (prefetch 0): weights, activations and scales through the pipeliner's ring; nsub 4
+    # (4 / 8 scale bytes per lane and iteration in both formats)
+    "staged": dict(prefetch=0, stages=3, gate_up=dict(nsub=4), down=dict(nsub=4)),
+    "staged_s2": dict(prefetch=0, stages=2, gate_up=dict(nsub=4), down=dict(nsub=4)),
+    "staged_w8k2": dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)),
 }
+STAGED_NV_N2 = dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2))  # NVFP4 only (MXFP4: 2 scale bytes)
 
 
 def _fresh_seed() -> int:
@@ -402,16 +406,24 @@ def test_hmma_matches_f64(fmt, shape, T):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", ["flash", "pro"])
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("cfg", ["staged", "staged_n1s2", "staged_w8k2"])
+@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_nv_n2"])
 def test_hmma_staged_matches_f64(fmt, shape, T, cfg):
     """The staged K loop at decode sizes: every y element written, against float64, and the same
     function as the register-prefetch loop (within rounding: both sum in fp32)."""
     E, D, I = SHAPES[shape]
+    from dsv4_mtp_hf.ops.triton import fp4_moe_hmma as hm
+
+    over = STAGED_NV_N2 if cfg == "staged_nv_n2" else HM_CFGS[cfg]
+    if cfg == "staged_nv_n2" and fmt == "mxfp4":  # 2 scale bytes per lane and iteration: not taken
+        assert not hm.hmma_supports(D, I, over, LIMIT, is_nv=False)
+        with pytest.raises(ValueError, match="not supported"):
+            _run_direct(*make_inputs(1, E, 6, D, device="cuda", seed=1), make_experts(E, D, I, fmt, device="cuda", seed=2), fmt, over)
+        return
     k = 6 if shape == "flash" else 8
     seed = _fresh_seed()
     W = make_experts(E, D, I, fmt, device="cuda", seed=seed)
     x, ids, rw = make_inputs(T, E, k, D, device="cuda", seed=seed + 1)
-    y, out = _run_direct(x, ids, rw, W, fmt, HM_CFGS[cfg])
+    y, out = _run_direct(x, ids, rw, W, fmt, over)
     assert not y.isnan().any() and not out.isnan().any(), seed
     want = _reference_f64_gpu(x, ids, rw, W, fmt)
     assert rel_err(out, want) < 1e-2, seed

@@ -64,18 +64,27 @@ more than the other paths, a candidate for folding into whatever produces x),
 -> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader program per expert,
 passes of 2 tokens (``moe_pairs._expert_rows``, ``fp4_moe_mma._rank_pairs``).
 
-``prefetch=0`` ("staged", opt-in): the K loop is a ``tl.range(num_stages=stages)`` loop whose weights,
-activations and per-row scale windows are plain 16-byte loads, so Triton's pipeliner turns them into a
-ring of asynchronous copies (as in ``fp4_moe_stream``; an inline-asm load in the loop, or a
-loop-carried prefetched value, stops the pipeliner, hence the plain loads and the scale windows).
-Correct on the H200 (the GPU tests) but slower than ``prefetch=1`` (2026-12-01, BENCHMARKS.md): first
-13x (610 us at T=1; Nsight Compute: 42% of the warps' time stalled on a full MIO queue, DRAM 3% busy),
-when every lane copied its B operand, the zero row for 28 of 32 lanes (same-address async copies
-serialise); with those copies masked off, 92 us against 45 us for ``prefetch=1``.  The per-row scale
-windows are still read by the row's four lanes from one address: the next suspect.  Not routed to.
+``prefetch=0`` ("staged", opt-in): the K loop is a ``tl.range(num_stages=stages)`` loop of plain loads,
+which Triton's pipeliner turns into a ring of asynchronous copies (as in ``fp4_moe_stream``; an
+inline-asm load in the loop, or a loop-carried prefetched value, stops the pipeliner).  Three things
+keep the ring's copies few and 16-byte wide (each was a measured 2x or more, BENCHMARKS.md):
+* the B operands are copied once per B column (``_feeder_chunk``: [NW, 8] feeder pointers, the lanes
+  pick their column's words and zero it where they do not feed) -- one copy per lane made 28 of 32
+  lanes copy the zero row, and same-address async copies serialise (610 us at T=1);
+* the feeder pointers are rebuilt from offsets with a ``tl.multiple_of`` hint: from a reduction the
+  compiler cannot see the alignment and copies 4 bytes at a time;
+* each lane slot owns a contiguous 1 / KL of the row (not every KL-th chunk), so an iteration's scale
+  bytes of a row are adjacent: one 4- or 8-byte copy per lane and row (``_ld_s_words``; nsub 2 or 4
+  for NVFP4, 4 for MXFP4) instead of the row's whole window copied by each of its lanes.
+Status (H200, 2026-12-01, seventh session, rotated routings): with the first two, nsub 4 and the
+per-lane windows, MXFP4 46.1 / 72.9 / 118.1 / 460.9 us at T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 /
+493.9), NVFP4 slower (50.9 at T=1, 542 at T=16; nsub 2: 48.0 and 460.5); the contiguous lane slots
+(the third) are compiled (sm_90, 2.2-2.5 SASS instructions per weight) and pass the interpreter twin,
+not yet run on a GPU.  Not routed to.
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
-the MMA emulated across the warp's lanes (zero B columns included), the decode by value.
+the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
+staged loop the very loads of the GPU path, recast to the emulation's operands.
 """
 
 from __future__ import annotations
@@ -99,7 +108,7 @@ _HM_C = tl.constexpr(HMMA_CONSTRAINTS)
 # iteration.  "prefetch": 1 = the K loop unrolled by two with two weight buffers (the next
 # iteration's weights load during this one's math, no register copies), 2 = two iterations ahead
 # in three rotating buffers (costs ~20 register moves per iteration), 0 = the staged loop ("stages"
-# ring buffers, default 3; see the module docstring: correct but measured 2x slower).  "maxnreg": ptxas register
+# ring buffers, default 3; nsub 2 or 4 for NVFP4, 4 for MXFP4; see the module docstring).  "maxnreg": ptxas register
 # cap; left free (~96-128) ptxas issues the prefetch loads just before their use (SASS), 168 lets
 # it issue them early and still fits 3 programs of 4 warps per SM (384 programs at T=1: one wave).
 # "w_hint": cache qualifier of the weight loads (e.g. ".L1::no_allocate").
@@ -130,16 +139,22 @@ def hmma_config(cfg: dict | None = None) -> dict:
     return merged_config(HMMA_CONFIG, cfg)
 
 
-def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit: float = 10.0) -> bool:
-    """Whether the kernels tile these sizes (K a multiple of 2 x 32 KL NSUB per matrix) and the
-    limit gives a static activation prescale."""
+def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit: float = 10.0,
+                  is_nv: bool = True) -> bool:
+    """Whether the kernels tile these sizes (K a multiple of 32 KL NSUB per matrix, twice that where
+    the K loop is unrolled by two), the limit gives a static activation prescale and, for the staged
+    loop (prefetch 0), a lane's scale bytes per iteration (2 per chunk NVFP4, 1 MXFP4, x nsub) fill
+    one 4- or 8-byte copy: nsub 2 or 4 (NVFP4), 4 (MXFP4)."""
     cfg = hmma_config(cfg)
     gu, dn = cfg["gate_up"], cfg["down"]
     ok = act_prescale(limit) is not None
     for c, k, rows, n in ((gu, hidden, 8, intermediate), (dn, intermediate, 16, hidden)):
         nw, ks, ns = c["num_warps"], c["ksplit"], c["nsub"]
-        # K: whole iterations, an even number of them (the K loop is unrolled by two)
-        ok = ok and nw % ks == 0 and k % (2 * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
+        # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
+        unroll = 1 if cfg["prefetch"] == 0 else 2
+        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
+        if cfg["prefetch"] == 0:
+            ok = ok and (2 if is_nv else 1) * ns in (4, 8)
     return ok
 
 
@@ -283,6 +298,48 @@ def _emu_scale(raw, grp: tl.constexpr, IS_NV: tl.constexpr):
 
 
 @triton.jit
+def _emu_bytes(w0, w1, w2, w3):
+    """Four int32 words [NT] (one chunk of a row) -> the [NT, 16] bytes ``_ld_w``'s twin loads."""
+    t = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4, 1))  # [NT, word, 1]
+    b = (t >> (8 * tl.arange(0, 4))[None, None, :]) & 255  # little-endian bytes
+    return tl.reshape(b, (w0.shape[0], 16))
+
+
+@triton.jit
+def _emu_acts(x, o: tl.constexpr):
+    """A chunk's 16 int32 words of pair-order fp16 activations (``x[o] .. x[o + 15]``, [NT] each: per 8 K
+    values words (x0, x4), (x1, x5), (x2, x6), (x3, x7)) -> [NT, 32] fp32 in natural K order (as
+    ``_ld_x``'s twin loads them)."""
+    NT: tl.constexpr = x[o].shape[0]
+    g0 = tl.join(tl.join(x[o], x[o + 2]), tl.join(x[o + 1], x[o + 3]))  # [NT, 2, 2]: word w at [w // 2, w % 2]
+    g1 = tl.join(tl.join(x[o + 4], x[o + 6]), tl.join(x[o + 5], x[o + 7]))
+    g2 = tl.join(tl.join(x[o + 8], x[o + 10]), tl.join(x[o + 9], x[o + 11]))
+    g3 = tl.join(tl.join(x[o + 12], x[o + 14]), tl.join(x[o + 13], x[o + 15]))
+    words = tl.reshape(tl.join(tl.join(g0, g2), tl.join(g1, g3)), (NT, 4, 4))  # [NT, word, group]
+    halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)  # [NT, word, group, lo / hi]
+    v = halves.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.permute(v, (0, 2, 3, 1)), (NT, 32))  # K = 8 group + 4 hi + word
+
+
+@triton.jit
+def _emu_chunk_operands(w, x, NSUB: tl.constexpr):
+    """The staged loop's loaded words in the emulation's operand form: (2 NSUB chunks of [NT, 16] bytes,
+    NSUB chunks of [NT, 32] fp32 activations)."""
+    if NSUB == 2:
+        we = (_emu_bytes(w[0], w[1], w[2], w[3]), _emu_bytes(w[4], w[5], w[6], w[7]),
+              _emu_bytes(w[8], w[9], w[10], w[11]), _emu_bytes(w[12], w[13], w[14], w[15]))
+        xe = (_emu_acts(x, 0), _emu_acts(x, 16))
+    else:
+        tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
+        we = (_emu_bytes(w[0], w[1], w[2], w[3]), _emu_bytes(w[4], w[5], w[6], w[7]),
+              _emu_bytes(w[8], w[9], w[10], w[11]), _emu_bytes(w[12], w[13], w[14], w[15]),
+              _emu_bytes(w[16], w[17], w[18], w[19]), _emu_bytes(w[20], w[21], w[22], w[23]),
+              _emu_bytes(w[24], w[25], w[26], w[27]), _emu_bytes(w[28], w[29], w[30], w[31]))
+        xe = (_emu_acts(x, 0), _emu_acts(x, 16), _emu_acts(x, 32), _emu_acts(x, 48))
+    return we, xe
+
+
+@triton.jit
 def _chunk(acc, w, s, x, j: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
            USE_ASM: tl.constexpr):
     """acc (c0, c1, c2, c3) + chunk j of this iteration (rows a, b) against its activations."""
@@ -323,14 +380,27 @@ def _chunk(acc, w, s, x, j: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexp
 
 
 @triton.jit
-def _words4(p, feed=None):
+def _words4(p):
     """Four int32 words from ``p [NT]`` (16-byte aligned int32 pointers): one 16-byte load per
-    lane, as 4 tensors [NT] (a plain load, so Triton's pipeliner can make it asynchronous).
-    ``feed [NT]``: lanes that load (the others get zeros without touching memory)."""
-    if feed is None:
-        t = tl.load(p[:, None] + tl.arange(0, 4)[None, :])
+    lane, as 4 tensors [NT] (a plain load, so Triton's pipeliner can make it asynchronous)."""
+    return _split4(tl.load(p[:, None] + tl.arange(0, 4)[None, :]))
+
+
+@triton.jit
+def _ld_w_words(p, ROWB: tl.constexpr, NSUB: tl.constexpr):
+    """The staged loop's weights: ``p`` int32 pointers; NSUB (2 or 4) adjacent chunks of row a, then of
+    row b, as 4 words per chunk (``_chunk``'s order)."""
+    if NSUB == 2:
+        return _words4(p) + _words4(p + 4) + _words4(p + ROWB // 4) + _words4(p + ROWB // 4 + 4)
     else:
-        t = tl.load(p[:, None] + tl.arange(0, 4)[None, :], mask=feed[:, None], other=0)
+        tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
+        return (_words4(p) + _words4(p + 4) + _words4(p + 8) + _words4(p + 12) + _words4(p + ROWB // 4)
+                + _words4(p + ROWB // 4 + 4) + _words4(p + ROWB // 4 + 8) + _words4(p + ROWB // 4 + 12))
+
+
+@triton.jit
+def _split4(t):
+    """[NT, 4] -> its four columns as [NT] tensors."""
     ev, od = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # words (0, 2), (1, 3)
     w0, w2 = tl.split(ev)
     w1, w3 = tl.split(od)
@@ -338,101 +408,109 @@ def _words4(p, feed=None):
 
 
 @triton.jit
-def _ld_w_words(p, ROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.constexpr):
-    """``_ld_w`` by plain loads: ``p`` int32 pointers; NSUB chunks of row a, then of row b."""
-    a0, a1, a2, a3 = _words4(p)
-    b0, b1, b2, b3 = _words4(p + ROWB // 4)
-    if NSUB == 1:
-        return a0, a1, a2, a3, b0, b1, b2, b3
-    else:
-        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
-        c0, c1, c2, c3 = _words4(p + 4 * KL)
-        d0, d1, d2, d3 = _words4(p + ROWB // 4 + 4 * KL)
-        return a0, a1, a2, a3, c0, c1, c2, c3, b0, b1, b2, b3, d0, d1, d2, d3
+def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
+    """One chunk's 16 int32 words of B operands at ``p8 [NW, 8] + o`` (B column j's feeder's pointer),
+    copied once per column (masked by ``f8``), not once per lane, and handed to the lanes: lane (g, q)
+    gets column g's words if it is that column's feeder (q == g // 2), else zeros (as the zero row)."""
+    v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
+    g = tl.arange(0, 8)[None, :, None, None]
+    q = tl.arange(0, 4)[None, None, :, None]
+    lanes = tl.where(q == g // 2, tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16)), 0)
+    # [NT, 16] -> four [NT, 4] groups of words (word 4 (2 hi + lo) + i at [:, i, hi, lo])
+    lo0, lo1 = tl.split(tl.permute(tl.reshape(lanes, (32 * NW, 2, 2, 4)), (0, 3, 1, 2)))
+    g0, g2 = tl.split(lo0)
+    g1, g3 = tl.split(lo1)
+    return _split4(g0) + _split4(g1) + _split4(g2) + _split4(g3)
 
 
 @triton.jit
-def _ld_x_words(p, feed, KL: tl.constexpr, NSUB: tl.constexpr):
-    """``_ld_x`` by plain loads: per chunk 16 int32 words (four 16-byte loads); lanes that feed no
-    B column (``feed`` False) read nothing and hold zeros (as the zero row would give them)."""
-    x0, x1, x2, x3 = _words4(p, feed)
-    x4, x5, x6, x7 = _words4(p + 4, feed)
-    x8, x9, x10, x11 = _words4(p + 8, feed)
-    x12, x13, x14, x15 = _words4(p + 12, feed)
-    if NSUB == 1:
-        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr):
+    """The staged loop's B operands: per chunk (NSUB adjacent ones) 16 words, one copy per B column."""
+    if NSUB == 2:
+        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, 16, NW)
     else:
-        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
-        y0, y1, y2, y3 = _words4(p + 16 * KL, feed)
-        y4, y5, y6, y7 = _words4(p + 16 * KL + 4, feed)
-        y8, y9, y10, y11 = _words4(p + 16 * KL + 8, feed)
-        y12, y13, y14, y15 = _words4(p + 16 * KL + 12, feed)
-        return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+        tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
+        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, 16, NW) + _feeder_chunk(p8, f8, 32, NW)
+                + _feeder_chunk(p8, f8, 48, NW))
 
 
 @triton.jit
-def _scale_of(win, kl, j: tl.constexpr, KL: tl.constexpr, IS_NV: tl.constexpr):
-    """Lane ``kl``'s raw scale of chunk j (as ``_ld_s`` gives it: NVFP4 two e4m3 bytes as a u16, MXFP4
-    the e8m0 byte) out of ``win [NT, SW]``, the int32 words of its row's scale bytes of this iteration."""
+def _per_column(v, NW: tl.constexpr):
+    """[NT] per-lane values -> [NW, 8] the value of B column j's feeder lane (g = j, q = j // 2)."""
+    g = tl.arange(0, 8)[None, :, None]
+    q = tl.arange(0, 4)[None, None, :]
+    return tl.sum(tl.where(q == g // 2, tl.reshape(v, (NW, 8, 4)), 0), axis=2)
+
+
+@triton.jit
+def _ld_s_words(p, SROWB: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexpr):
+    """``_ld_s`` for the staged loop: the lane's SB NSUB adjacent scale bytes of rows a and b (``p`` int32
+    pointers, one 4- or 8-byte load per row, asynchronous in the pipeliner's ring), as NSUB raw scales
+    per row."""
     SB: tl.constexpr = 2 if IS_NV else 1
-    b = SB * (kl + KL * j)  # byte within the window
-    word = tl.sum(tl.where(tl.arange(0, win.shape[1])[None, :] == (b // 4)[:, None], win, 0), axis=1)
-    return (word >> ((b % 4) * 8)) & (0xFFFF if IS_NV else 0xFF)
-
-
-@triton.jit
-def _ld_s_window(swin, kl, SROWB: tl.constexpr, KL: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexpr):
-    """``_ld_s`` for the staged loop: each lane loads its rows' whole scale window of the iteration
-    (SB * KL * NSUB bytes, as int32 words, the same for the row's KL lanes) by plain loads that the
-    pipeliner makes asynchronous (a lane's own 1-2 bytes are too small for an async copy, and an
-    inline-asm load in the loop stops the pipeliner), then picks its own bytes."""
-    SW: tl.constexpr = (2 if IS_NV else 1) * KL * NSUB // 4
-    o = tl.arange(0, SW)[None, :]
-    wa_ = tl.load(swin[:, None] + o)
-    wb_ = tl.load(swin[:, None] + (SROWB // 4 + o))
-    if NSUB == 1:
-        return _scale_of(wa_, kl, 0, KL, IS_NV), _scale_of(wb_, kl, 0, KL, IS_NV)
+    NWD: tl.constexpr = SB * NSUB // 4  # words per row
+    tl.static_assert(NWD == 1 or NWD == 2, "the staged loop needs 4 or 8 scale bytes per lane and iteration")
+    if NWD == 1:
+        wa_ = (tl.load(p),)
+        wb_ = (tl.load(p + SROWB // 4),)
     else:
-        tl.static_assert(NSUB == 2, "the staged loop takes nsub 1 or 2")
-        return (_scale_of(wa_, kl, 0, KL, IS_NV), _scale_of(wa_, kl, 1, KL, IS_NV),
-                _scale_of(wb_, kl, 0, KL, IS_NV), _scale_of(wb_, kl, 1, KL, IS_NV))
+        a01 = tl.load(p[:, None] + tl.arange(0, 2)[None, :])
+        b01 = tl.load(p[:, None] + (SROWB // 4 + tl.arange(0, 2))[None, :])
+        wa_ = tl.split(a01)
+        wb_ = tl.split(b01)
+    MASK: tl.constexpr = 0xFFFF if IS_NV else 0xFF
+    if NSUB == 2:  # NVFP4 only (4 bytes)
+        return (wa_[0] & MASK, (wa_[0] >> 16) & MASK, wb_[0] & MASK, (wb_[0] >> 16) & MASK)
+    else:
+        tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 (NVFP4) or 4")
+        if IS_NV:
+            return (wa_[0] & MASK, (wa_[0] >> 16) & MASK, wa_[1] & MASK, (wa_[1] >> 16) & MASK,
+                    wb_[0] & MASK, (wb_[0] >> 16) & MASK, wb_[1] & MASK, (wb_[1] >> 16) & MASK)
+        else:
+            return (wa_[0] & MASK, (wa_[0] >> 8) & MASK, (wa_[0] >> 16) & MASK, (wa_[0] >> 24) & MASK,
+                    wb_[0] & MASK, (wb_[0] >> 8) & MASK, (wb_[0] >> 16) & MASK, (wb_[0] >> 24) & MASK)
 
 
 @triton.jit
-def _k_loop(wa, sa, swin, kl, xq, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
+def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
             NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
             WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
             STAGES: tl.constexpr = 3):
-    """This lane's chunks of rows a and b against its B operands: (c0, c1, c2, c3) per lane."""
+    """This lane's chunks of rows a and b against its B operands (``xb + xoff``, fp16): (c0, c1, c2, c3)
+    per lane."""
     NT: tl.constexpr = 32 * NW
-    WST: tl.constexpr = 16 * KL * NSUB  # bytes per iteration and row
-    SST: tl.constexpr = (2 if IS_NV else 1) * KL * NSUB
-    XST: tl.constexpr = 32 * KL * NSUB  # fp16 activations per iteration
+    SB: tl.constexpr = 2 if IS_NV else 1
     z = tl.zeros((NT,), dtype=tl.float32)
     acc = (z, z, z, z)
     if PF == 0:
-        # staged: weights and activations by plain 16-byte loads in a tl.range(num_stages) loop, which
-        # Triton's pipeliner turns into a ring of STAGES asynchronous copies (as ``fp4_moe_stream``);
-        # the scales as whole per-row windows (a lane's own 1-2 bytes are too small for an async copy)
-        if USE_ASM:
-            wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
-            xq32 = xq.to(tl.pointer_type(tl.int32), bitcast=True)
-            swin32 = swin.to(tl.pointer_type(tl.int32), bitcast=True)
-            for it in tl.range(NIT, num_stages=STAGES):
-                s = _ld_s_window(swin32 + it * (SST // 4), kl, SROWB, KL, NSUB, IS_NV)
-                w = _ld_w_words(wa32 + it * (WST // 4), ROWB, KL, NSUB)
-                x = _ld_x_words(xq32 + it * (XST // 2), feed, KL, NSUB)
+        # staged: a tl.range(num_stages) loop of plain loads, which Triton's pipeliner turns into a ring of
+        # STAGES asynchronous copies (as ``fp4_moe_stream``).  Each lane slot owns a contiguous 1 / KL of
+        # the row (the kernels' pointers), so an iteration's NSUB chunks are adjacent and so are their
+        # scale bytes: one 4- or 8-byte copy per row (SB NSUB in (4, 8), ``hmma_supports``).
+        # The interpreter runs these same loads (pointers, feeder columns, masks, scale words); only the
+        # MMA is emulated, on the loaded words recast to its operand form (``_emu_chunk_operands``).
+        wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
+        sa32 = sa.to(tl.pointer_type(tl.int32), bitcast=True)
+        # the B operands: one copy per column from its feeder's offset (a multiple of 32 fp16: the
+        # compiler then knows the 16-byte alignment and copies 16 bytes at a time), not one per lane
+        p8 = xb.to(tl.pointer_type(tl.int32), bitcast=True) + tl.multiple_of(_per_column(xoff, NW) // 2, [16, 16])
+        f8 = _per_column(feed.to(tl.int32), NW) != 0
+        for it in tl.range(NIT, num_stages=STAGES):
+            s = _ld_s_words(sa32 + it * (SB * NSUB // 4), SROWB, NSUB, IS_NV)
+            w = _ld_w_words(wa32 + it * (4 * NSUB), ROWB, NSUB)
+            x = _ld_x_feeders(p8 + it * (16 * NSUB), f8, NSUB, NW)
+            if USE_ASM:
                 for j in tl.static_range(NSUB):
                     acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
-        else:  # its interpreter twin: the emulated loads in the same loop
-            for it in tl.range(NIT, num_stages=STAGES):
-                w = _ld_w(wa + it * WST, ROWB, KL, NSUB, WLD, USE_ASM)
-                s = _ld_s(sa + it * SST, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
-                x = _ld_x(xq + it * XST, KL, NSUB, XLD, USE_ASM)
+            else:
+                we, xe = _emu_chunk_operands(w, x, NSUB)
                 for j in tl.static_range(NSUB):
-                    acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
+                    acc = _chunk(acc, we, s, xe, j, NSUB, IS_NV, NW, USE_ASM)
         return acc
+    xq = xb + xoff
+    WST: tl.constexpr = 16 * KL * NSUB  # bytes per iteration and row
+    SST: tl.constexpr = SB * KL * NSUB
+    XST: tl.constexpr = 32 * KL * NSUB  # fp16 activations per iteration
     w = _ld_w(wa, ROWB, KL, NSUB, WLD, USE_ASM)
     s = _ld_s(sa, SROWB, KL, NSUB, SLD, IS_NV, USE_ASM)
     if PF == 1:
@@ -513,8 +591,11 @@ def _gate_up_hmma_kernel(
         kl = (wid % KSPLIT) * 4 + q
         n = pid_n * (8 * RG) + (wid // KSPLIT) * 8 + g
         row = e * (2 * I) + n.to(tl.int64)
-        wa = w_ptr + row * HB + kl * 16
-        sa = s_ptr + row * SR + kl * (2 if IS_NV else 1)
+        # lane slot kl's K: chunks kl, kl + KL, ... (interleaved) or, in the staged loop, the kl-th contiguous
+        # quarter of the row (its scale bytes of an iteration are then adjacent: one async copy)
+        CH: tl.constexpr = (HB // KL) if PF == 0 else 16  # bytes from one lane slot's first chunk to the next's
+        wa = w_ptr + row * HB + kl * CH
+        sa = s_ptr + row * SR + kl * (CH // 8 if IS_NV else CH // 16)
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
         no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
@@ -523,8 +604,7 @@ def _gate_up_hmma_kernel(
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
-            xq = xh_ptr + brow * D + kl * 32
-            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
+            acc = _k_loop(wa, sa, kl, xh_ptr, brow * D + kl * (2 * CH), brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
@@ -559,16 +639,16 @@ def _down_hmma_kernel(
         kl = (wid % KSPLIT) * 4 + q
         r1 = pid_n * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
         row = e * D + r1.to(tl.int64)
-        wa = w_ptr + row * HB + kl * 16
-        sa = s_ptr + row * SR + kl * (2 if IS_NV else 1)
+        CH: tl.constexpr = (HB // KL) if PF == 0 else 16  # as in the gate/up kernel
+        wa = w_ptr + row * HB + kl * CH
+        sa = s_ptr + row * SR + kl * (CH // 8 if IS_NV else CH // 16)
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
         ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, P, q, 1)
-            xq = act_ptr + brow * I + kl * 32
-            acc = _k_loop(wa, sa, s_ptr + row * SR, kl, xq, brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
+            acc = _k_loop(wa, sa, kl, act_ptr, brow * I + kl * (2 * CH), brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
@@ -592,7 +672,7 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     sa = act_prescale(limit)
     if group_size != (16 if is_nv else 32):
         raise ValueError(f"hmma: unexpected group size {group_size} for {'nvfp4' if is_nv else 'mxfp4'}.")
-    if sa is None or not hmma_supports(d, inter, cfg, limit):
+    if sa is None or not hmma_supports(d, inter, cfg, limit, is_nv):
         raise ValueError(f"hmma: D={d} / I={inter} / limit={limit} not supported by {cfg}.")
     for name, ten, al in (("w13", w13, 16), ("w2", w2, 16), ("w13_scale", w13_scale, 2), ("w2_scale", w2_scale, 2)):
         if ten.data_ptr() % al:
@@ -609,8 +689,8 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         raise ValueError(f"hmma prefetch must be 0 (staged), 1 or 2, got {pf}.")
     gu, dn = cfg["gate_up"], cfg["down"]
     stages = int(cfg.get("stages", 3))
-    if pf == 0 and (stages < 1 or gu["nsub"] > 2 or dn["nsub"] > 2):
-        raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1 and nsub 1 or 2, got {stages}, {gu['nsub']}, {dn['nsub']}.")
+    if pf == 0 and stages < 1:
+        raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}
     if only in (None, "gate_up"):
         _x_f16_kernel[(t + 1,)](x, xh, xs, act16, t, p, d, inter, DP=triton.next_power_of_2(d),

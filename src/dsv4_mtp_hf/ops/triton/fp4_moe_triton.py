@@ -356,7 +356,7 @@ def _fp4_moe_triton(
             from . import fp4_moe_hmma as mod
 
             base, launch, extra = mod.HMMA_CONFIG, mod.launch_hmma, {}
-            supports = functools.partial(mod.hmma_supports, limit=swiglu_limit)
+            supports = functools.partial(mod.hmma_supports, limit=swiglu_limit, is_nv=is_nv)
         elif key == "hgemv":
             from . import fp4_moe_hgemv as mod
 
