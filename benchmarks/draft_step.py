@@ -64,10 +64,13 @@ def fill_random_(module: torch.nn.Module, gen: torch.Generator) -> None:
                 t.copy_(0.02 * torch.randn(t.shape, generator=gen, device=t.device))
 
 
-def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator):
+def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator, experts: int | None = None):
     """A V4(-Flash)-shaped bf16 target and its bound MTP (reference attention), random weights
-    drawn from ``gen``; the MTP's dense weights in bf16 as a user would load them."""
+    drawn from ``gen``; the MTP's dense weights in bf16 as a user would load them.  ``experts``:
+    another routed-expert count (e.g. fewer, to fit a CPU's memory)."""
     tc = target_config(tiny)
+    if experts is not None:
+        tc.n_routed_experts = experts
     with torch.device("meta"):
         target = DeepseekV4ForCausalLM(tc).to(torch.bfloat16)
         mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc, attention_backend="reference"))

@@ -1,0 +1,122 @@
+"""Where two roundings of one MTP draft step part: every stage's output, path against path.
+
+One draft step on random V4-Flash-sized weights (``draft_step.random_pair``), run as
+* ``fp32``: the reference path with every bf16 weight upcast and fp32 activations (the "truth"),
+* ``bf16``: the reference path as a user runs it (bf16 weights and activations, PyTorch mHC/router),
+* ``fast`` (CUDA only): the same eager step with the fused mHC/router kernels, the FP4 MoE op and
+  ``--attention`` (``flashinfer`` or ``reference``),
+with a forward hook on every module up to three levels deep.  For each stage it prints the median and
+max (over the batch) relative error of bf16 vs fp32, fast vs fp32 and fast vs bf16, then how often the
+greedy tokens agree.  A bf16 rounding adds ~1.7e-3 relative error; where a stage's column jumps by more,
+that stage amplifies what it is given.
+
+    python benchmarks/rounding_stages.py --experts 32            # CPU, ~1 minute, ~12 GB of memory
+    python benchmarks/rounding_stages.py --tiny                  # seconds: the script's smoke test
+    python benchmarks/rounding_stages.py --device cuda --batch 64   # all three paths, V4-Flash shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import draft_step as ds  # noqa: E402  (the benchmark's random pair, cache and reference switches)
+
+
+def stage_outputs(mtp, tok, res, paged, lengths) -> dict[str, torch.Tensor]:
+    """fp32 copies of every hooked module's first tensor output, logits and greedy tokens of one step."""
+    outs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in mtp.named_modules():
+        if name and name.count(".") <= 2:
+            def keep(m, i, o, name=name):
+                o = o[0] if isinstance(o, tuple) else o
+                if torch.is_tensor(o):
+                    outs[name] = o.detach().float().clone()
+            hooks.append(mod.register_forward_hook(keep))
+    try:
+        paged.seq_lengths.copy_(lengths)
+        with torch.no_grad():
+            t, logits, _ = mtp.draft_step(tok, res, paged, False)
+    finally:
+        for h in hooks:
+            h.remove()
+        paged.seq_lengths.copy_(lengths)
+    outs["logits"] = logits.float()
+    outs["token"] = t.view(-1)
+    return outs
+
+
+def rel_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Relative error of ``a`` against ``b`` per batch row (the first dim)."""
+    a, b = a.flatten(1) if a.dim() > 1 else a[:, None], b.flatten(1) if b.dim() > 1 else b[:, None]
+    return (a - b).norm(dim=1) / b.norm(dim=1).clamp(min=1e-30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tiny", action="store_true", help="the small smoke-test shapes of draft_step.py")
+    p.add_argument("--experts", type=int, default=None, help="routed experts (default: the config's, 256 at "
+                   "V4-Flash size; fewer fit a CPU's memory)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=32, help="cached positions before the draft row")
+    p.add_argument("--attention", default="flashinfer", choices=["flashinfer", "reference"],
+                   help="the fast path's attention backend (CUDA)")
+    p.add_argument("--seed", type=int, default=None, help="default: fresh")
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    target, mtp = ds.random_pair(args.tiny, dev, gen, experts=args.experts)
+    paged, _, _, lengths = ds.prefilled_paged_cache(mtp, args.batch, args.context, gen)
+    c = mtp.config
+    tok = torch.randint(0, c.vocab_size, (args.batch, 1), device=dev, generator=gen)
+    res = torch.randn(args.batch, 1, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
+
+    with ds.fp32_reference(mtp):
+        paths = {"fp32": stage_outputs(mtp, tok, res, paged, lengths)}
+    with ds.hand_written_kernels(False), ds.reference_experts(mtp):
+        paths["bf16"] = stage_outputs(mtp, tok, res, paged, lengths)
+    if dev.type == "cuda":
+        mtp.config.attention_backend = args.attention
+        try:
+            paths["fast"] = stage_outputs(mtp, tok, res, paged, lengths)
+        finally:
+            mtp.config.attention_backend = "reference"
+    pairs = [("bf16", "fp32")] + ([("fast", "fp32"), ("fast", "bf16")] if "fast" in paths else [])
+
+    print(f"seed {seed}; {dev}; experts {c.n_routed_experts}; batch {args.batch}; context {args.context}"
+          + (f"; fast path attention {args.attention}" if "fast" in paths else ""))
+    print(f"{'stage':38s} {'shape':>20s} {'rms':>9s}  " + "  ".join(f"{a + ' vs ' + b:>19s}" for a, b in pairs))
+    print(f"{'':38s} {'':>20s} {'':>9s}  " + "  ".join(f"{'median':>9s} {'max':>9s}" for _ in pairs))
+    for name, want in paths["fp32"].items():
+        if name == "token":
+            continue
+        cols = []
+        for a, b in pairs:  # a stage a path skips (e.g. the experts module under the fused MoE op): "-"
+            if name in paths[a] and name in paths[b] and paths[a][name].shape == paths[b][name].shape:
+                r = rel_rows(paths[a][name], paths[b][name])
+                cols.append(f"{r.median():9.2e} {r.max():9.2e}")
+            else:
+                cols.append(f"{'-':>9s} {'-':>9s}")
+        print(f"{name:38s} {str(tuple(want.shape)):>20s} {want.pow(2).mean().sqrt():9.3e}  " + "  ".join(cols))
+    n = args.batch
+    print("same greedy token: " + ", ".join(
+        f"{a} vs {b} {int((paths[a]['token'] == paths[b]['token']).sum())}/{n}" for a, b in pairs))
+    top2 = paths["fp32"]["logits"].topk(2, dim=-1).values
+    gap = (top2[:, 0] - top2[:, 1]).sort().values
+    print(f"fp32 top-2 logit gaps: median {gap[n // 2]:.3f}, smallest {', '.join(f'{g:.4f}' for g in gap[:4].tolist())}; "
+          f"logits rms {paths['fp32']['logits'].pow(2).mean().sqrt():.3f}")
+    del target
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()
