@@ -283,8 +283,9 @@ CONFIG = {
     # the gate/up and down kernels are the fp16 mma.sync kernels of ``fp4_moe_hmma`` (exact
     # products, fp32 block scales and sums, ~1.8 SASS instructions per weight); "hmma" overrides
     # ``fp4_moe_hmma.HMMA_CONFIG``.  Off by default: exact on the H200 but no faster than the default
-    # at T=1 and slower than hgemv (BENCHMARKS.md, 2026-11-30, fifth session).  Needs a
-    # finite swiglu_limit (else these T take the other paths).
+    # at T=1 and slower than hgemv (BENCHMARKS.md, 2026-11-30, fifth session); with its staged loop
+    # ("hmma": {"prefetch": 0, ...}) faster for MXFP4 at T=2..16, its last form untimed (seventh
+    # session).  Needs a finite swiglu_limit (else these T take the other paths).
     "hmma_min_tokens": 1,
     "hmma_max_tokens": 0,
     "hmma": None,
