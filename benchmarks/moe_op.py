@@ -436,6 +436,7 @@ SWEEP = {
            ("st_w2s4", dict(gate_up=dict(BLOCK_N=16, num_warps=2, STAGES=4), down=dict(BLOCK_N=16, num_warps=2, STAGES=4)), None),
            ("st_dk256", dict(down=dict(BLOCK_K=256, STAGES=4)), None), ("st_gs4", dict(gate_up=dict(STAGES=4)), None),
            ("st_dn16", dict(down=dict(BLOCK_N=16)), None),
+           ("st_dn64", dict(down=dict(BLOCK_N=64)), None),  # down in one wave at T=1 (384 programs, not 768)
            # probes: the same grid, loads and pipeline without the FP4 math (result garbage, unchecked)
            ("st_probe", dict(probe=True), None), ("st_tma_probe", dict(tma=True, probe=True), None),
            ("st_gu_probe", dict(probe=True), "gate_up"), ("st_dn_probe", dict(probe=True), "down"))},

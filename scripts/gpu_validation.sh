@@ -39,7 +39,7 @@ for part in $parts; do
                --no-humming --iters 30 --sweep hm,hm_pf2,hm_n1,hm_n4,hg32,dot --out "$OUT/sweep" ;;
     staged)  run staged_tests python3 -m pytest tests/test_fp4_moe_hmma.py -m gpu -q -k "staged or variants" -p no:cacheprovider
              run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,8,16,64 --ref-ts "" \
-               --no-humming --flush rotate --iters 20 --sweep st@1+2+4,hm@1+16,hm_st,hm_st2@1+16,hm_st4@1+16,hm_st_n2@1+4+16,hm_st_w2@1+16,hm_st_gu@1,hm_st_dn@1 --out "$OUT/sweep" ;;
+               --no-humming --flush rotate --iters 20 --sweep st@1+2+4,st_dn64@1,hm@1+16,hm_st,hm_st2@1+16,hm_st4@1+16,hm_st_n2@1+4+16,hm_st_w2@1+16,hm_st_gu@1,hm_st_dn@1 --out "$OUT/sweep" ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
     quick)   run quick python3 benchmarks/draft_step.py --quick --iters 20 --out "$OUT" ;;
     hc)      run hc python3 benchmarks/hc_op.py --out "$OUT" ;;
