@@ -234,17 +234,33 @@ def recompiled(**flags):
         torch._dynamo.reset()
 
 
+@contextlib.contextmanager
+def eager_rounding_on():
+    """Drafters compiled meanwhile round like the uncompiled step (``cuda_graph.eager_rounding``), with the
+    compiled steps dropped before and after (the option is read when a step compiles)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        with module_flag("dsv4_mtp_hf.generation.cuda_graph", "eager_rounding", True):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
 def step_variants():
     """(name, context) of the switches ``--quick`` times against the default step, side by side:
-    the routed MoE on the kernels it used before the streamed GEMV, the MoE halves on one stream (``dsv4_mtp::mtp_moe`` without its side stream), PDL in our
-    kernels only (Inductor's launched the classic way), and no PDL at all (the last two recompile
-    the step)."""
+    the routed MoE on the kernels it used before the streamed GEMV, the MoE halves on one stream
+    (``dsv4_mtp::mtp_moe`` without its side stream), Inductor rounding like the uncompiled step
+    (``cuda_graph.eager_rounding``), PDL in our kernels only (Inductor's launched the classic way), and
+    no PDL at all (the last three recompile the step)."""
     import functools
 
     stream_off = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG,
                   "stream_max_tokens": 0, "gemv_min_tokens": 2, "gemv_max_tokens": 2}
     return [("routed MoE without the streamed GEMV", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", stream_off)),
             ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
+            ("Inductor rounding like the uncompiled step", eager_rounding_on),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),
             ("no PDL", functools.partial(recompiled, enabled=False))]
 
@@ -418,7 +434,17 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                 results[label] = time_ms(replay, args.iters)
                 floors[label] = floor_of(bsz, k)
                 if fused and bsz == 16:
+                    state = gen.get_state()
                     checks[label + ", single steps"] = teacher_forced_check(mtp, drafter.step, paged, lengths, gen, rounds=16)
+                    try:  # the same positions, Inductor rounding like the uncompiled step
+                        with eager_rounding_on():
+                            er = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
+                            replayed = torch.Generator(device=gen.device)
+                            replayed.set_state(state)
+                            checks[label + ", single steps, eager rounding"] = teacher_forced_check(
+                                mtp, er.step, paged, lengths, replayed, rounds=16)
+                    except Exception as err:  # noqa: BLE001 - the default rows stand
+                        checks[label + ", single steps, eager rounding"] = f"FAILED {type(err).__name__}: {err}"[:300]
                 if args.profile and bsz == 1 and k == 1:
                     profile_replay(replay, args.out, name="compiled" + ("" if fused else "_no_fused_kernels") + f"_{attn}")
                 if fused and bsz == 1 and k == 1 and attn == "reference":

@@ -91,6 +91,41 @@ def test_inductor_compiled_drafter_matches_the_uncompiled_steps():
     torch.testing.assert_close(got_l, want_l, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
 
 
+def bf16_pair(seed=0):
+    """The tiny pair in bf16 as a user loads it: the target whole, the MTP except its fp32-strict modules."""
+    target, mtp = tiny_pair(seed=seed, max_draft_tokens=4)
+    target.to(torch.bfloat16)
+    for name, prm in mtp.named_parameters():
+        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    return target, mtp
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_compiled_drafter_with_eager_rounding_rounds_like_the_uncompiled_step(draft_vocab):
+    """bf16 weights and activations, one step: with ``eager_rounding`` the compiled step's logits are those
+    of the uncompiled step (bitwise on almost every draw: only a reduction summed in another order can
+    flip a rounding); with Inductor's own rounding (fp32 intermediates inside its fused kernels) they
+    are a different rounding of the same math, ~7e-3 away."""
+    seed = fresh_seed()
+    _, mtp = bf16_pair()
+    assert mtp.e_proj.weight.dtype == torch.bfloat16
+    cache, tok, res = primed(mtp, 2, 9, torch.Generator().manual_seed(seed))
+    lengths, pool = cache.seq_lengths.clone(), cache.pool.clone()
+    _, want, _ = run_steps(mtp.draft_step, cache, tok, res, 1, draft_vocab)
+    err = {}
+    for eager_rounding in (True, False):
+        cache.seq_lengths.copy_(lengths)
+        cache.pool.copy_(pool)
+        torch._dynamo.reset()  # a fresh compile per option
+        step = GraphedDrafter(mtp, cache, 1, compile=True, eager_rounding=eager_rounding).step
+        _, got, _ = run_steps(step, cache, tok, res, 1, draft_vocab)
+        fin = torch.isfinite(want)  # the draft vocabulary's -inf rows
+        assert torch.equal(fin, torch.isfinite(got))
+        err[eager_rounding] = float((got[fin].float() - want[fin].float()).norm() / want[fin].float().norm())
+    assert err[True] < 1e-3 and err[True] < err[False] / 4, (seed, err)
+
+
 def agreement(got_l, want_l, got_d, want_d):
     """(logits relative error, share of draft positions with the same greedy token).  Positions
     are counted while the reference's top two logits are apart by more than rounding (a near

@@ -23,9 +23,14 @@ import torch
 from ..cache import PagedMtpKVCache
 
 
+# The default of ``GraphedDrafter(eager_rounding=None)``: off until it is timed on a GPU (the CPU facts are in
+# :meth:`GraphedDrafter.compile_step`; ``benchmarks/draft_step.py`` times and checks both).
+eager_rounding = False
+
+
 class GraphedDrafter:
     def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False,
-                 compile: bool = False, compile_mode: str | None = None):
+                 compile: bool = False, compile_mode: str | None = None, eager_rounding: bool | None = None):
         if not isinstance(cache, PagedMtpKVCache):
             raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
         if num_drafts < 1 or num_drafts - 1 > cache.max_draft_tokens:
@@ -44,6 +49,7 @@ class GraphedDrafter:
         cache.attention_backend = "reference" if c.attention_backend == "auto" else None
         self.attention_plans = cache.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts)
         self.step, self.compiled = mtp.draft_step, False
+        self.eager_rounding = globals()["eager_rounding"] if eager_rounding is None else bool(eager_rounding)
         if compile:
             self.compile_step(compile_mode)
 
@@ -51,10 +57,22 @@ class GraphedDrafter:
         """Run the steps through ``torch.compile(fullgraph=True)`` from now on (compiled at the
         first call -- the warm-up of :meth:`capture` -- and back to the uncompiled step, with
         a warning, if that fails).  ``dynamic=False``: one specialisation per batch size.  On
-        sm_90+ the generated kernels launch with PDL like ours (``ops/triton/pdl.py``)."""
+        sm_90+ the generated kernels launch with PDL like ours (``ops/triton/pdl.py``).
+
+        ``eager_rounding`` (the constructor's, else the module's ``eager_rounding``): Inductor
+        rounds every bf16 / fp16 intermediate of its fused kernels where the uncompiled step
+        rounds it (``emulate_precision_casts``).  Fused, those intermediates stay in fp32: as
+        accurate, but a different rounding of the same math.  On CPU (bf16 weights, one step):
+        the tiny model's compiled steps are then bitwise the uncompiled ones
+        (``tests/test_draft_step.py``); at V4-Flash size the logits move 4.2e-3 from the
+        uncompiled step's instead of 8.0e-3 (the bf16 reference is 7.2e-3 from fp32): reductions
+        summed in another order still flip a few roundings, and every later rounding spreads them."""
         import torch._inductor
+        import torch._inductor.config
 
         options = dict(torch._inductor.list_mode_options(mode or "default"))
+        if self.eager_rounding and hasattr(torch._inductor.config, "emulate_precision_casts"):
+            options["emulate_precision_casts"] = True
         device = self.mtp.e_proj.weight.device
         if device.type == "cuda":
             from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
