@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
-    target, mtp = ds.random_pair(args.tiny, dev, gen, experts=args.experts)
+    _, mtp = ds.random_pair(args.tiny, dev, gen, experts=args.experts)  # the MTP holds its target
     paged, _, _, lengths = ds.prefilled_paged_cache(mtp, args.batch, args.context, gen)
     c = mtp.config
     tok = torch.randint(0, c.vocab_size, (args.batch, 1), device=dev, generator=gen)
@@ -114,7 +114,6 @@ def main(argv: list[str] | None = None) -> None:
     gap = (top2[:, 0] - top2[:, 1]).sort().values
     print(f"fp32 top-2 logit gaps: median {gap[n // 2]:.3f}, smallest {', '.join(f'{g:.4f}' for g in gap[:4].tolist())}; "
           f"logits rms {paths['fp32']['logits'].pow(2).mean().sqrt():.3f}")
-    del target
 
 
 if __name__ == "__main__":
