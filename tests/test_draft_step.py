@@ -10,7 +10,7 @@ import torch
 from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 from dsv4_mtp_hf.ops.argmax import argmax_last
 
-from .helpers import tiny_pair
+from .helpers import draw_until_clear, tiny_pair
 
 
 def fresh_seed() -> int:
@@ -75,20 +75,27 @@ def test_draft_step_compiles_to_one_graph_and_matches_eager():
 
 
 def test_inductor_compiled_drafter_matches_the_uncompiled_steps():
-    seed = fresh_seed()
-    _, mtp = tiny_pair(max_draft_tokens=4)
-    gen = torch.Generator().manual_seed(seed)
-    cache, tok, res = primed(mtp, 2, 9, gen)
-    lengths = cache.seq_lengths.clone()
-    plain, fast = GraphedDrafter(mtp, cache, 3), GraphedDrafter(mtp, cache, 3, compile=True)
-    for d in (plain, fast):
-        d.tokens.copy_(tok)
-        d.residual.copy_(res)
-    want_d, want_l = plain.run_eager()
-    cache.seq_lengths.copy_(lengths)
-    got_d, got_l = fast.run_eager()
-    assert torch.equal(got_d, want_d), seed
-    torch.testing.assert_close(got_l, want_l, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
+    """Same drafts, logits within 1e-4.  Inductor sums in another order, so a draw whose uncompiled
+    steps pass a router or argmax choice within 3e-5 of a tie may fail and is then redrawn."""
+
+    def attempt(seed, margins):
+        _, mtp = tiny_pair(max_draft_tokens=4)
+        gen = torch.Generator().manual_seed(seed)
+        cache, tok, res = primed(mtp, 2, 9, gen)
+        lengths = cache.seq_lengths.clone()
+        plain, fast = GraphedDrafter(mtp, cache, 3), GraphedDrafter(mtp, cache, 3, compile=True)
+        for d in (plain, fast):
+            d.tokens.copy_(tok)
+            d.residual.copy_(res)
+        margins.watch(mtp, argmax=True)
+        want_d, want_l = plain.run_eager()
+        margins.close()  # Inductor does not trace the hooks
+        cache.seq_lengths.copy_(lengths)
+        got_d, got_l = fast.run_eager()
+        assert torch.equal(got_d, want_d), seed
+        torch.testing.assert_close(got_l, want_l, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
+
+    draw_until_clear(attempt)
 
 
 def bf16_pair(seed=0):
