@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, attn, lmhead, quick, hc.
+# hmma, staged, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -39,7 +39,8 @@ for part in $parts; do
                --no-humming --iters 30 --sweep hm,hm_pf2,hm_n1,hm_n4,hg32,dot --out "$OUT/sweep" ;;
     staged)  run staged_tests python3 -m pytest tests/test_fp4_moe_hmma.py -m gpu -q -k "staged or variants" -p no:cacheprovider
              run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,8,16,64 --ref-ts "" \
-               --no-humming --flush rotate --iters 20 --sweep st@1+2+4,st_dn64@1,hm@1+16,hm_st,hm_st2@1+16,hm_st4@1+16,hm_st_n2@1+4+16,hm_st_w2@1+16,hm_st_gu@1,hm_st_dn@1 --out "$OUT/sweep" ;;
+               --no-humming --flush rotate --iters 20 --sweep st@1+2+4,st_dn64@1,hm@1+16,hm_st,hm_st_n2@1+2+4+8+16 --out "$OUT/sweep" ;;
+    rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
     quick)   run quick python3 benchmarks/draft_step.py --quick --iters 20 --out "$OUT" ;;
     hc)      run hc python3 benchmarks/hc_op.py --out "$OUT" ;;
@@ -47,10 +48,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick batched batched32 moe moesweep stream hmmasweep attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"
