@@ -349,7 +349,8 @@ SWEEP = {
     "only_dn": dict(only="down"),
     # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
-    "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
+    "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0, hmma_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
+    "pre8": dict(stream_max_tokens=4, hmma_max_tokens=0),  # the routing before the staged hmma loop (until 2026-12-01, eighth session)
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),

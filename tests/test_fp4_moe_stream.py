@@ -92,17 +92,20 @@ def test_stream_path_cuda_graph_replay(tma):
     check_graph_replay(lambda *a: fp4_moe_triton(*a, config=conf), "nvfp4", seed=21, replays=2)
 
 
-@pytest.mark.parametrize("T,config,want", [
-    (1, None, "stream"), (4, None, "stream"),  # the default range
-    (1, dict(gemv_min_tokens=1, gemv_max_tokens=64), "gemv"),  # a caller's range wins over the default
-    (2, dict(hgemv_min_tokens=1, hgemv_max_tokens=64), "hgemv"),
-    (1, dict(stream_max_tokens=0), "dot"),
+@pytest.mark.parametrize("fmt,T,config,want", [
+    ("nvfp4", 1, None, "stream"), ("nvfp4", 4, None, "stream"), ("mxfp4", 3, None, "stream"),  # the default ranges
+    ("nvfp4", 8, None, "hmma"), ("nvfp4", 16, None, "hmma"), ("mxfp4", 4, None, "hmma"), ("mxfp4", 16, None, "hmma"),
+    ("nvfp4", 6, None, "dot"), ("nvfp4", 17, None, "dot"), ("mxfp4", 17, None, "dot"),
+    ("nvfp4", 1, dict(gemv_min_tokens=1, gemv_max_tokens=64), "gemv"),  # a caller's range wins over the default
+    ("nvfp4", 2, dict(hgemv_min_tokens=1, hgemv_max_tokens=64), "hgemv"),
+    ("nvfp4", 1, dict(stream_max_tokens=0), "dot"),
+    ("mxfp4", 8, dict(hmma_max_tokens={"nvfp4": 16}), "dot"),  # a dict by format: a missing format is off
 ])
-def test_variant_routing(monkeypatch, T, config, want):
+def test_variant_routing(monkeypatch, fmt, T, config, want):
     """Which kernels ``fp4_moe_triton`` launches for T tokens (the launchers are replaced by recorders,
     so nothing runs)."""
     pytest.importorskip("triton")
-    from dsv4_mtp_hf.ops.triton import fp4_moe_gemv, fp4_moe_hgemv, fp4_moe_stream, fp4_moe_triton as tri
+    from dsv4_mtp_hf.ops.triton import fp4_moe_gemv, fp4_moe_hgemv, fp4_moe_hmma, fp4_moe_stream, fp4_moe_triton as tri
 
     class Launched(Exception):
         pass
@@ -115,14 +118,15 @@ def test_variant_routing(monkeypatch, T, config, want):
     monkeypatch.setattr(fp4_moe_stream, "launch_stream", recorder("stream"))
     monkeypatch.setattr(fp4_moe_gemv, "launch_gemv", recorder("gemv"))
     monkeypatch.setattr(fp4_moe_hgemv, "launch_hgemv", recorder("hgemv"))
+    monkeypatch.setattr(fp4_moe_hmma, "launch_hmma", recorder("hmma"))
 
     class DotLaunch:
         def __getitem__(self, grid):
             raise Launched("dot")
 
     monkeypatch.setattr(tri, "_gate_up_kernel", DotLaunch())
-    W = make_experts(8, 1024, 512, "nvfp4")
+    W = make_experts(8, 1024, 512, fmt)
     x, ids, rw = make_inputs(T, 8, 2, 1024)
     with pytest.raises(Launched) as got:
-        tri.fp4_moe_triton(x, ids, rw, *W, "nvfp4", LIMIT, config=config)
+        tri.fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=config)
     assert str(got.value) == want

@@ -73,14 +73,12 @@ keep the ring's copies few and 16-byte wide (each was a measured 2x or more, BEN
   lanes copy the zero row, and same-address async copies serialise (610 us at T=1);
 * the feeder pointers are rebuilt from offsets with a ``tl.multiple_of`` hint: from a reduction the
   compiler cannot see the alignment and copies 4 bytes at a time;
-* each lane slot owns a contiguous 1 / KL of the row (not every KL-th chunk), so an iteration's scale
-  bytes of a row are adjacent: one 4- or 8-byte copy per lane and row (``_ld_s_words``; nsub 2 or 4
-  for NVFP4, 4 for MXFP4) instead of the row's whole window copied by each of its lanes.
-Status (H200, 2026-12-01, seventh session, rotated routings): with the first two, nsub 4 and the
-per-lane windows, MXFP4 46.1 / 72.9 / 118.1 / 460.9 us at T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 /
-493.9), NVFP4 slower (50.9 at T=1, 542 at T=16; nsub 2: 48.0 and 460.5); the contiguous lane slots
-(the third) are compiled (sm_90, 2.2-2.5 SASS instructions per weight) and pass the interpreter twin,
-not yet run on a GPU.  Not routed to.
+* each lane copies its row's scale window of the iteration (KL NSUB chunks, 16-byte copies) and
+  picks its own bytes in registers (``_ld_s_window``): one 4- or 8-byte copy of just its bytes
+  measured 35-40% slower (BENCHMARKS.md, eighth session).
+Status (H200, 2026-12-01, rotated routings): MXFP4 with nsub 4 46.1 / 72.9 / 118.1 / 460.9 us at
+T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 / 493.9, seventh session); NVFP4 nsub 2 48.0 at T=1, 460.5
+at T=16 (default 478.5).  Not routed to (see ``fp4_moe_triton.CONFIG``).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
@@ -143,8 +141,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
                   is_nv: bool = True) -> bool:
     """Whether the kernels tile these sizes (K a multiple of 32 KL NSUB per matrix, twice that where
     the K loop is unrolled by two), the limit gives a static activation prescale and, for the staged
-    loop (prefetch 0), a lane's scale bytes per iteration (2 per chunk NVFP4, 1 MXFP4, x nsub) fill
-    one 4- or 8-byte copy: nsub 2 or 4 (NVFP4), 4 (MXFP4)."""
+    loop (prefetch 0), a row's scale window per iteration (KL nsub chunks, 2 bytes each NVFP4, 1 MXFP4)
+    is whole 16-byte copies: with ksplit 1, nsub 2 or 4 (NVFP4), 4 (MXFP4)."""
     cfg = hmma_config(cfg)
     gu, dn = cfg["gate_up"], cfg["down"]
     ok = act_prescale(limit) is not None
@@ -153,8 +151,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
         # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
         unroll = 1 if cfg["prefetch"] == 0 else 2
         ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
-        if cfg["prefetch"] == 0:
-            ok = ok and (2 if is_nv else 1) * ns in (4, 8)
+        if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
+            ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
     return ok
 
 
@@ -387,15 +385,17 @@ def _words4(p):
 
 
 @triton.jit
-def _ld_w_words(p, ROWB: tl.constexpr, NSUB: tl.constexpr):
-    """The staged loop's weights: ``p`` int32 pointers; NSUB (2 or 4) adjacent chunks of row a, then of
-    row b, as 4 words per chunk (``_chunk``'s order)."""
+def _ld_w_words(p, ROWB: tl.constexpr, NSUB: tl.constexpr, CS: tl.constexpr):
+    """The staged loop's weights: ``p`` int32 pointers; NSUB (2 or 4) chunks CS chunks apart of row a,
+    then of row b, as 4 words per chunk (``_chunk``'s order)."""
+    S: tl.constexpr = 4 * CS  # words from one of the lane's chunks to the next
+    B: tl.constexpr = ROWB // 4
     if NSUB == 2:
-        return _words4(p) + _words4(p + 4) + _words4(p + ROWB // 4) + _words4(p + ROWB // 4 + 4)
+        return _words4(p) + _words4(p + S) + _words4(p + B) + _words4(p + B + S)
     else:
         tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
-        return (_words4(p) + _words4(p + 4) + _words4(p + 8) + _words4(p + 12) + _words4(p + ROWB // 4)
-                + _words4(p + ROWB // 4 + 4) + _words4(p + ROWB // 4 + 8) + _words4(p + ROWB // 4 + 12))
+        return (_words4(p) + _words4(p + S) + _words4(p + 2 * S) + _words4(p + 3 * S) + _words4(p + B)
+                + _words4(p + B + S) + _words4(p + B + 2 * S) + _words4(p + B + 3 * S))
 
 
 @triton.jit
@@ -424,14 +424,15 @@ def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr):
-    """The staged loop's B operands: per chunk (NSUB adjacent ones) 16 words, one copy per B column."""
+def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr):
+    """The staged loop's B operands: per chunk (NSUB of them, CS chunks apart) 16 words, one copy per B column."""
+    S: tl.constexpr = 16 * CS
     if NSUB == 2:
-        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, 16, NW)
+        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW)
     else:
         tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
-        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, 16, NW) + _feeder_chunk(p8, f8, 32, NW)
-                + _feeder_chunk(p8, f8, 48, NW))
+        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW) + _feeder_chunk(p8, f8, 2 * S, NW)
+                + _feeder_chunk(p8, f8, 3 * S, NW))
 
 
 @triton.jit
@@ -443,32 +444,29 @@ def _per_column(v, NW: tl.constexpr):
 
 
 @triton.jit
-def _ld_s_words(p, SROWB: tl.constexpr, NSUB: tl.constexpr, IS_NV: tl.constexpr):
-    """``_ld_s`` for the staged loop: the lane's SB NSUB adjacent scale bytes of rows a and b (``p`` int32
-    pointers, one 4- or 8-byte load per row, asynchronous in the pipeliner's ring), as NSUB raw scales
-    per row."""
+def _pick_word(win, i):
+    """``win [NT, NWW]`` (each lane's own words) -> [NT] word ``i`` (per lane), selected in registers."""
+    return tl.sum(tl.where(tl.arange(0, win.shape[1])[None, :] == i[:, None], win, 0), axis=1)
+
+
+@triton.jit
+def _ld_s_window(p, kl, SROWB: tl.constexpr, NSUB: tl.constexpr, KL: tl.constexpr, IS_NV: tl.constexpr):
+    """``_ld_s`` for the staged loop: the iteration's scale window of rows a and b (``p`` int32 pointers
+    to the window of row a: the KL NSUB chunks' SB bytes each, 16-byte copies, asynchronous in the
+    pipeliner's ring), and of it the lane's NSUB raw scales per row (chunks kl + KL j)."""
     SB: tl.constexpr = 2 if IS_NV else 1
-    NWD: tl.constexpr = SB * NSUB // 4  # words per row
-    tl.static_assert(NWD == 1 or NWD == 2, "the staged loop needs 4 or 8 scale bytes per lane and iteration")
-    if NWD == 1:
-        wa_ = (tl.load(p),)
-        wb_ = (tl.load(p + SROWB // 4),)
-    else:
-        a01 = tl.load(p[:, None] + tl.arange(0, 2)[None, :])
-        b01 = tl.load(p[:, None] + (SROWB // 4 + tl.arange(0, 2))[None, :])
-        wa_ = tl.split(a01)
-        wb_ = tl.split(b01)
+    NWW: tl.constexpr = KL * NSUB * SB // 4  # words per row and iteration
     MASK: tl.constexpr = 0xFFFF if IS_NV else 0xFF
-    if NSUB == 2:  # NVFP4 only (4 bytes)
-        return (wa_[0] & MASK, (wa_[0] >> 16) & MASK, wb_[0] & MASK, (wb_[0] >> 16) & MASK)
-    else:
-        tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 (NVFP4) or 4")
-        if IS_NV:
-            return (wa_[0] & MASK, (wa_[0] >> 16) & MASK, wa_[1] & MASK, (wa_[1] >> 16) & MASK,
-                    wb_[0] & MASK, (wb_[0] >> 16) & MASK, wb_[1] & MASK, (wb_[1] >> 16) & MASK)
-        else:
-            return (wa_[0] & MASK, (wa_[0] >> 8) & MASK, (wa_[0] >> 16) & MASK, (wa_[0] >> 24) & MASK,
-                    wb_[0] & MASK, (wb_[0] >> 8) & MASK, (wb_[0] >> 16) & MASK, (wb_[0] >> 24) & MASK)
+    win_a = tl.load(p[:, None] + tl.arange(0, NWW)[None, :])
+    win_b = tl.load(p[:, None] + (SROWB // 4 + tl.arange(0, NWW))[None, :])
+    ra = ()
+    rb = ()
+    for j in tl.static_range(NSUB):
+        byte = (kl + KL * j) * SB
+        sh = (byte % 4) * 8
+        ra = ra + (((_pick_word(win_a, byte // 4) >> sh) & MASK),)
+        rb = rb + (((_pick_word(win_b, byte // 4) >> sh) & MASK),)
+    return ra + rb
 
 
 @triton.jit
@@ -484,9 +482,11 @@ def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, S
     acc = (z, z, z, z)
     if PF == 0:
         # staged: a tl.range(num_stages) loop of plain loads, which Triton's pipeliner turns into a ring of
-        # STAGES asynchronous copies (as ``fp4_moe_stream``).  Each lane slot owns a contiguous 1 / KL of
-        # the row (the kernels' pointers), so an iteration's NSUB chunks are adjacent and so are their
-        # scale bytes: one 4- or 8-byte copy per row (SB NSUB in (4, 8), ``hmma_supports``).
+        # STAGES asynchronous copies (as ``fp4_moe_stream``).  An iteration covers KL NSUB adjacent chunks of
+        # the row, lane slot kl's being kl, kl + KL, ... (the kernels' pointers), and each lane copies the
+        # row's scale window of the iteration (16-byte copies) and picks its bytes.  (Measured slower:
+        # a lane's scales as one 4- or 8-byte copy, with its NSUB chunks adjacent: 62-66 us at T=1,
+        # 579-659 at T=16, whether the lane slots own contiguous quarters of the row or adjacent spans.)
         # The interpreter runs these same loads (pointers, feeder columns, masks, scale words); only the
         # MMA is emulated, on the loaded words recast to its operand form (``_emu_chunk_operands``).
         wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -496,9 +496,9 @@ def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, S
         p8 = xb.to(tl.pointer_type(tl.int32), bitcast=True) + tl.multiple_of(_per_column(xoff, NW) // 2, [16, 16])
         f8 = _per_column(feed.to(tl.int32), NW) != 0
         for it in tl.range(NIT, num_stages=STAGES):
-            s = _ld_s_words(sa32 + it * (SB * NSUB // 4), SROWB, NSUB, IS_NV)
-            w = _ld_w_words(wa32 + it * (4 * NSUB), ROWB, NSUB)
-            x = _ld_x_feeders(p8 + it * (16 * NSUB), f8, NSUB, NW)
+            s = _ld_s_window(sa32 + it * (SB * KL * NSUB // 4), kl, SROWB, NSUB, KL, IS_NV)
+            w = _ld_w_words(wa32 + it * (4 * KL * NSUB), ROWB, NSUB, KL)
+            x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL)
             if USE_ASM:
                 for j in tl.static_range(NSUB):
                     acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
@@ -591,11 +591,11 @@ def _gate_up_hmma_kernel(
         kl = (wid % KSPLIT) * 4 + q
         n = pid_n * (8 * RG) + (wid // KSPLIT) * 8 + g
         row = e * (2 * I) + n.to(tl.int64)
-        # lane slot kl's K: chunks kl, kl + KL, ... (interleaved) or, in the staged loop, the kl-th contiguous
-        # quarter of the row (its scale bytes of an iteration are then adjacent: one async copy)
-        CH: tl.constexpr = (HB // KL) if PF == 0 else 16  # bytes from one lane slot's first chunk to the next's
-        wa = w_ptr + row * HB + kl * CH
-        sa = s_ptr + row * SR + kl * (CH // 8 if IS_NV else CH // 16)
+        # lane slot kl's K: chunks kl, kl + KL, ... (16 bytes each); its scales at kl (SB bytes each), or in the
+        # staged loop the row's window (every lane slot's, from the row's start)
+        SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)
+        wa = w_ptr + row * HB + kl * 16
+        sa = s_ptr + row * SR + kl * SOFF
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
         no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
@@ -604,7 +604,7 @@ def _gate_up_hmma_kernel(
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
-            acc = _k_loop(wa, sa, kl, xh_ptr, brow * D + kl * (2 * CH), brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
+            acc = _k_loop(wa, sa, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
@@ -639,16 +639,16 @@ def _down_hmma_kernel(
         kl = (wid % KSPLIT) * 4 + q
         r1 = pid_n * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
         row = e * D + r1.to(tl.int64)
-        CH: tl.constexpr = (HB // KL) if PF == 0 else 16  # as in the gate/up kernel
-        wa = w_ptr + row * HB + kl * CH
-        sa = s_ptr + row * SR + kl * (CH // 8 if IS_NV else CH // 16)
+        SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)  # as in the gate/up kernel
+        wa = w_ptr + row * HB + kl * 16
+        sa = s_ptr + row * SR + kl * SOFF
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
         ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, P, q, 1)
-            acc = _k_loop(wa, sa, kl, act_ptr, brow * I + kl * (2 * CH), brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
+            acc = _k_loop(wa, sa, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
                           WLD, SLD, XLD, USE_ASM, STAGES)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)

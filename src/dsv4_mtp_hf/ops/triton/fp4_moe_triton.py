@@ -281,23 +281,38 @@ CONFIG = {
     "hgemv": None,
     # From "hmma_min_tokens" to "hmma_max_tokens" tokens (checked before "hgemv_*" and "gemv_*")
     # the gate/up and down kernels are the fp16 mma.sync kernels of ``fp4_moe_hmma`` (exact
-    # products, fp32 block scales and sums, ~1.8 SASS instructions per weight); "hmma" overrides
-    # ``fp4_moe_hmma.HMMA_CONFIG``.  Off by default: exact on the H200 but no faster than the default
-    # at T=1 and slower than hgemv (BENCHMARKS.md, 2026-11-30, fifth session); with its staged loop
-    # ("hmma": {"prefetch": 0, ...}) faster for MXFP4 at T=2..16, its last form untimed (seventh
-    # session).  Needs a finite swiglu_limit (else these T take the other paths).
-    "hmma_min_tokens": 1,
-    "hmma_max_tokens": 0,
-    "hmma": None,
+    # products, fp32 block scales and sums); "hmma" overrides ``fp4_moe_hmma.HMMA_CONFIG``.  By
+    # default its staged loop (prefetch 0) where it measured faster than the rest (BENCHMARKS.md,
+    # 2026-12-01, eighth session, H200, rotated routings, same run): MXFP4 nsub 4 at T=4..16
+    # (117.5 / 242.3 / 459.9 us at T=4 / 8 / 16 against 139.6 / 303.5 / 497.1; 46.0 vs 42.5 at T=1,
+    # 73.1 vs 72.5 at T=2, 1388 vs 1283 at T=64), NVFP4 nsub 2 at T=8..16 (253.7 / 445.4 against
+    # 271.6 / 466.9; 134.3 vs 133.2 at T=4).  Needs a finite swiglu_limit (else these T take the
+    # other paths).  Each of these routing keys may be one value or a dict by format name.
+    "hmma_min_tokens": {"nvfp4": 8, "mxfp4": 4},
+    "hmma_max_tokens": {"nvfp4": 16, "mxfp4": 16},
+    "hmma": {"nvfp4": dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2)),
+             "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))},
     # From "stream_min_tokens" to "stream_max_tokens" tokens (checked first) the gate/up and down
     # kernels are the FMA GEMV kernels fed by a shared-memory ring of asynchronous copies
     # (``fp4_moe_stream``; exact like ``fp4_moe_gemv``); "stream" overrides its STREAM_CONFIG.
     # Measured on the H200 (BENCHMARKS.md, 2026-12-01, NVFP4, routings rotated): 42.3 / 73.9 / 136.9 us
     # at T = 1 / 2 / 4 against 48.0 / 84.7 / 156.7 for the previous defaults, slower at T=16.
+    # MXFP4 hands T=4 to the staged hmma loop (above).
     "stream_min_tokens": 1,
-    "stream_max_tokens": 4,
+    "stream_max_tokens": {"nvfp4": 4, "mxfp4": 3},
     "stream": None,
 }
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def route_value(cfg: dict, key: str, fmt: str, default=None):
+    """``cfg[key]``, or its entry for ``fmt`` where it is a dict by format name (a missing
+    format: ``default``)."""
+    v = cfg.get(key, default)
+    if isinstance(v, dict) and v and set(v) <= set(FORMATS):
+        return v.get(fmt, default)
+    return v
 
 
 def _block_m(pairs: int, experts: int) -> int:
@@ -347,7 +362,8 @@ def _fp4_moe_triton(
     keys = ("stream", "hmma", "hgemv", "gemv")
     keys = sorted(keys, key=lambda kk: f"{kk}_max_tokens" not in (config or {}))
     for key in keys:
-        if "gate_up" in cfg or not cfg.get(f"{key}_min_tokens", 1) <= t <= cfg.get(f"{key}_max_tokens", 0):
+        if "gate_up" in cfg or not route_value(cfg, f"{key}_min_tokens", f.name, 1) <= t <= route_value(
+                cfg, f"{key}_max_tokens", f.name, 0):
             continue
         if key == "stream":
             from . import fp4_moe_stream as mod
@@ -366,7 +382,7 @@ def _fp4_moe_triton(
             from . import fp4_moe_gemv as mod
 
             base, supports, launch, extra = mod.GEMV_CONFIG, mod.gemv_supports, mod.launch_gemv, {"fold": fold}
-        vcfg = {**base, **(cfg.get(key) or {})}
+        vcfg = {**base, **(route_value(cfg, key, f.name) or {})}
         if supports(d, inter, vcfg):
             launch(x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
                    group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=vcfg,
