@@ -1,11 +1,12 @@
-"""Opt-in small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA: FP4 decoded straight to fp16
+"""Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
+at T=8..16 NVFP4 and T=4..16 MXFP4 since 2026-12-01; see "prefetch=0" below): FP4 decoded straight to fp16
 ``mma.sync`` operands, block scales applied in fp32 to the MMA results (exact products, fp32
 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
 
 Status (2026-11-30): exact on the H200 (tests/test_fp4_moe_hmma.py ``-m gpu``: 41 passed, the
 tensor cores keep fp16 subnormal weights) but not faster: 55.0 / 53.1 µs at T=1 (``hm`` / ``hm_pf2``)
 against 53.0 for the default kernels and 47.3 for the fp16x2 GEMV (BENCHMARKS.md, fifth session) --
-at T=1 the MoE is bound by memory latency, not by issue.  Off by default
+at T=1 the MoE is bound by memory latency, not by issue.  The unstaged loops are opt-in
 (``fp4_moe_triton.CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]``); ``CONFIG["hmma"]`` overrides
 ``HMMA_CONFIG``.  Static SASS, V4-Flash, T=1 (``benchmarks/sass_count.py``): gate/up 1.81 / 1.71,
 down 1.80 / 1.71 instructions per weight (NVFP4 / MXFP4), against 2.37 / 2.12 for the fp16x2 GEMV
@@ -78,7 +79,9 @@ keep the ring's copies few and 16-byte wide (each was a measured 2x or more, BEN
   measured 35-40% slower (BENCHMARKS.md, eighth session).
 Status (H200, 2026-12-01, rotated routings): MXFP4 with nsub 4 46.1 / 72.9 / 118.1 / 460.9 us at
 T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 / 493.9, seventh session); NVFP4 nsub 2 48.0 at T=1, 460.5
-at T=16 (default 478.5).  Not routed to (see ``fp4_moe_triton.CONFIG``).
+at T=16 (default 478.5); eighth session, same runs: MXFP4 nsub 4 117.5 / 242.3 / 459.9 at T=4 / 8 / 16
+(defaults 139.6 / 303.5 / 497.1), NVFP4 nsub 2 253.7 / 445.4 at T=8 / 16 (271.6 / 466.9): routed to
+there (``fp4_moe_triton.CONFIG``).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the

@@ -17,10 +17,12 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
-``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..4, where it measured
-11-15% faster, BENCHMARKS.md 2026-12-01) routes steps 1-2 to the streamed FMA GEMV kernels of
-``fp4_moe_stream``; the other ``*_min_tokens`` / ``*_max_tokens`` ranges (all off by default)
-route to the opt-in variants ``fp4_moe_gemv``, ``fp4_moe_hgemv`` and ``fp4_moe_hmma``.
+``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..4 NVFP4, 1..3 MXFP4, where
+it measured 11-15% faster, BENCHMARKS.md 2026-12-01) routes steps 1-2 to the streamed FMA GEMV kernels
+of ``fp4_moe_stream``, ``CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]`` (default: T=8..16 NVFP4,
+4..16 MXFP4) to the staged fp16 mma.sync loop of ``fp4_moe_hmma``; the other ``*_min_tokens`` /
+``*_max_tokens`` ranges (off by default) to the opt-in variants ``fp4_moe_gemv`` and ``fp4_moe_hgemv``.
+Each range key (and the variant's config key) is one value or a dict by format name.
 
 The even and odd K elements of a packed byte row (low / high nibbles) feed two MMAs
 against the even / odd columns of the activations, so no nibble interleave is needed.
