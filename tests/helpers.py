@@ -86,6 +86,7 @@ class DecisionMargins:
 
     def __init__(self):
         self.min = float("inf")
+        self.by_kind: dict[str, float] = {}  # "router", "indexer", "argmax": the smallest margin of each
         self._scores, self._handles = None, []
         # the batched target path (generation/batched_attention.py) calls the indexer's scorer itself
         from dsv4_mtp_hf.generation.batched_attention import BatchedTargetState
@@ -113,13 +114,14 @@ class DecisionMargins:
             if argmax:
                 self._handles.append(model.get_output_embeddings().register_forward_hook(self._argmax))
 
-    def _note(self, margin: float) -> None:
+    def _note(self, kind: str, margin: float) -> None:
         self.min = min(self.min, margin)
+        self.by_kind[kind] = min(self.by_kind.get(kind, float("inf")), margin)
 
     def _router(self, mod, args, out):
         h = args[0].reshape(-1, mod.weight.shape[1])
         scores = torch.sqrt(F.softplus(F.linear(h.float(), mod.weight.float())))  # sqrtsoftplus, both routers
-        self._note(_kth_margin(scores + mod.e_score_correction_bias.float(), mod.top_k))
+        self._note("router", _kth_margin(scores + mod.e_score_correction_bias.float(), mod.top_k))
 
     def _scorer(self, mod, args, out):
         self._scores = out  # the indexer's hook (right after) masks and reads it
@@ -134,10 +136,10 @@ class DecisionMargins:
         if scores is None or scores.shape[-1] == 0:
             return
         visible = torch.arange(scores.shape[-1], device=scores.device) < threshold
-        self._note(_kth_margin(scores.masked_fill(~visible, float("-inf")), k))
+        self._note("indexer", _kth_margin(scores.masked_fill(~visible, float("-inf")), k))
 
     def _argmax(self, mod, args, out):
-        self._note(_kth_margin(out, 1))
+        self._note("argmax", _kth_margin(out, 1))
 
     def close(self) -> None:
         for h in self._handles:

@@ -35,10 +35,6 @@ DENSE = dict(index_n_heads=32, num_hidden_layers=4, sliding_window=5, index_topk
              compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
 
 
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(2**31)
-
-
 def runners(target, max_chunk=256):
     return (RaggedTargetForward(target, attention="per_sequence"),
             RaggedTargetForward(target, attention="batched", max_chunk=max_chunk))

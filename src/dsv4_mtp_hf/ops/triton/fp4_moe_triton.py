@@ -305,14 +305,11 @@ CONFIG = {
     "stream": None,
 }
 
-FORMATS = ("nvfp4", "mxfp4")
-
-
 def route_value(cfg: dict, key: str, fmt: str, default=None):
     """``cfg[key]``, or its entry for ``fmt`` where it is a dict by format name (a missing
     format: ``default``)."""
     v = cfg.get(key, default)
-    if isinstance(v, dict) and v and set(v) <= set(FORMATS):
+    if isinstance(v, dict) and v and set(v) <= set(fp4.FORMATS):
         return v.get(fmt, default)
     return v
 
