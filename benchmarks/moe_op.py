@@ -464,6 +464,10 @@ SWEEP = {
            ("hm_st4", dict(prefetch=0, stages=4, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
            ("hm_st_n2", dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
            ("hm_st_n2s4", dict(prefetch=0, stages=4, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           # sx = the B operands copied once per program, not once per warp ("share")
+           ("hm_st_sx", dict(prefetch=0, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st4_sx", dict(prefetch=0, stages=4, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_n2_sx", dict(prefetch=0, share=True, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
            ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
            ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
            ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),

@@ -184,6 +184,12 @@ PRESCALE_SCRIPT = textwrap.dedent("""
     assert act_prescale(10.0) == 9
     assert hmma_supports(4096, 2048) and hmma_supports(7168, 3072)
     assert not hmma_supports(7168, 3072, dict(gate_up=dict(nsub=4, ksplit=2, num_warps=8)))  # odd K iterations
+    # one activation copy per program (share) needs the staged loop and every warp on the same K
+    staged = dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))
+    assert hmma_supports(4096, 2048, dict(staged, share=True), is_nv=False)
+    assert not hmma_supports(4096, 2048, dict(staged, share=True, prefetch=1), is_nv=False)
+    assert not hmma_supports(4096, 2048, dict(staged, share=True, gate_up=dict(nsub=4, ksplit=2, num_warps=8)),
+                             is_nv=False)
     print("OK")
 """)
 
@@ -261,6 +267,9 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         ("nvfp4", 3, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, stages=2)),
         ("nvfp4", 2, 4, 1024, 512, dict(gate_up=dict(num_warps=8, ksplit=2, nsub=2), down=dict(nsub=4), prefetch=0)),
         ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=4), down=dict(nsub=4), prefetch=0)),
+        # ... with the B operands copied once per program (share): nsub 4 and the nsub-2 split, 2 and 4 warps
+        ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=4), down=dict(nsub=4, num_warps=2), prefetch=0, share=True)),
+        ("nvfp4", 5, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, share=True)),
     ]
     worst = 0.0
     for fmt, T, E, D, I, cfg in cases:
@@ -352,6 +361,7 @@ HM_CFGS = {
     "staged": dict(prefetch=0, stages=3, gate_up=dict(nsub=4), down=dict(nsub=4)),
     "staged_s2": dict(prefetch=0, stages=2, gate_up=dict(nsub=4), down=dict(nsub=4)),
     "staged_w8k2": dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)),
+    "staged_share": dict(prefetch=0, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)),  # B copied once per program
 }
 STAGED_NV_N2 = dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2))  # NVFP4 only (MXFP4: an 8-byte scale window)
 
@@ -406,7 +416,7 @@ def test_hmma_matches_f64(fmt, shape, T):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", ["flash", "pro"])
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_nv_n2"])
+@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_share", "staged_nv_n2"])
 def test_hmma_staged_matches_f64(fmt, shape, T, cfg):
     """The staged K loop at decode sizes: every y element written, against float64, and the same
     function as the register-prefetch loop (within rounding: both sum in fp32)."""

@@ -77,6 +77,10 @@ keep the ring's copies few and 16-byte wide (each was a measured 2x or more, BEN
 * each lane copies its row's scale window of the iteration (KL NSUB chunks, 16-byte copies) and
   picks its own bytes in registers (``_ld_s_window``): one 4- or 8-byte copy of just its bytes
   measured 35-40% slower (BENCHMARKS.md, eighth session).
+``"share": True`` (staged, ksplit 1; opt-in, ninth session) copies the B operands once per program instead of
+once per warp (the warps take the same K): an [8, NSUB, 16] load, 16-byte copies at NSUB 4, that every warp
+reads from the ring -- MXFP4 nsub 4: 11 instead of 14 copies per thread and iteration, 44 instead of 56 KB of
+shared memory (offline SASS); at NSUB 2 (8-byte copies) the split costs a shared-memory round trip.
 Status (H200, 2026-12-01, rotated routings): MXFP4 with nsub 4 46.1 / 72.9 / 118.1 / 460.9 us at
 T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 / 493.9, seventh session); NVFP4 nsub 2 48.0 at T=1, 460.5
 at T=16 (default 478.5); eighth session, same runs: MXFP4 nsub 4 117.5 / 242.3 / 459.9 at T=4 / 8 / 16
@@ -156,6 +160,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
         ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
         if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
             ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
+        if cfg.get("share"):  # one activation copy per program: staged, and every warp on the same K
+            ok = ok and cfg["prefetch"] == 0 and ks == 1
     return ok
 
 
@@ -411,14 +417,20 @@ def _split4(t):
 
 
 @triton.jit
-def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
+def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr, SHARE: tl.constexpr):
     """One chunk's 16 int32 words of B operands at ``p8 [NW, 8] + o`` (B column j's feeder's pointer),
     copied once per column (masked by ``f8``), not once per lane, and handed to the lanes: lane (g, q)
-    gets column g's words if it is that column's feeder (q == g // 2), else zeros (as the zero row)."""
-    v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
+    gets column g's words if it is that column's feeder (q == g // 2), else zeros (as the zero row).
+    SHARE: ``p8`` / ``f8`` are [8], one copy per program that every warp reads (K split 1: all warps
+    take the same K)."""
+    if SHARE:  # p8: the chunk's [8, 16] words (the iteration's chunks are loaded together: _ld_x_feeders)
+        v = tl.broadcast_to(p8[None, :, None, :], (NW, 8, 4, 16))
+    else:
+        v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
+        v = tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16))
     g = tl.arange(0, 8)[None, :, None, None]
     q = tl.arange(0, 4)[None, None, :, None]
-    lanes = tl.where(q == g // 2, tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16)), 0)
+    lanes = tl.where(q == g // 2, v, 0)
     # [NT, 16] -> four [NT, 4] groups of words (word 4 (2 hi + lo) + i at [:, i, hi, lo])
     lo0, lo1 = tl.split(tl.permute(tl.reshape(lanes, (32 * NW, 2, 2, 4)), (0, 3, 1, 2)))
     g0, g2 = tl.split(lo0)
@@ -427,15 +439,28 @@ def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr):
-    """The staged loop's B operands: per chunk (NSUB of them, CS chunks apart) 16 words, one copy per B column."""
+def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr, SHARE: tl.constexpr):
+    """The staged loop's B operands: per chunk (NSUB of them, CS chunks apart) 16 words, one copy per B column
+    (per warp, or with SHARE per program)."""
     S: tl.constexpr = 16 * CS
-    if NSUB == 2:
-        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW)
+    if SHARE:  # one [8, NSUB, 16] copy (4 words per thread at NSUB 4: 16-byte copies), split per chunk
+        c = tl.arange(0, NSUB)[None, :, None] * S + tl.arange(0, 16)[None, None, :]
+        v = tl.permute(tl.load(p8[:, None, None] + c, mask=f8[:, None, None], other=0), (0, 2, 1))  # [8, 16, NSUB]
+        if NSUB == 2:
+            v0, v1 = tl.split(v)
+            return _feeder_chunk(v0, f8, 0, NW, SHARE) + _feeder_chunk(v1, f8, 0, NW, SHARE)
+        else:
+            ev, od = tl.split(tl.reshape(v, (8, 16, 2, 2)))  # chunks (0, 2), (1, 3)
+            v0, v2 = tl.split(ev)
+            v1, v3 = tl.split(od)
+            return (_feeder_chunk(v0, f8, 0, NW, SHARE) + _feeder_chunk(v1, f8, 0, NW, SHARE)
+                    + _feeder_chunk(v2, f8, 0, NW, SHARE) + _feeder_chunk(v3, f8, 0, NW, SHARE))
+    elif NSUB == 2:
+        return _feeder_chunk(p8, f8, 0, NW, SHARE) + _feeder_chunk(p8, f8, S, NW, SHARE)
     else:
         tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
-        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW) + _feeder_chunk(p8, f8, 2 * S, NW)
-                + _feeder_chunk(p8, f8, 3 * S, NW))
+        return (_feeder_chunk(p8, f8, 0, NW, SHARE) + _feeder_chunk(p8, f8, S, NW, SHARE)
+                + _feeder_chunk(p8, f8, 2 * S, NW, SHARE) + _feeder_chunk(p8, f8, 3 * S, NW, SHARE))
 
 
 @triton.jit
@@ -444,6 +469,15 @@ def _per_column(v, NW: tl.constexpr):
     g = tl.arange(0, 8)[None, :, None]
     q = tl.arange(0, 4)[None, None, :]
     return tl.sum(tl.where(q == g // 2, tl.reshape(v, (NW, 8, 4)), 0), axis=2)
+
+
+@triton.jit
+def _per_column_shared(v, NW: tl.constexpr):
+    """[NT] per-lane values -> [8] warp 0's ``_per_column`` (the same in every warp when K is not split)."""
+    w = tl.arange(0, NW)[:, None, None]
+    g = tl.arange(0, 8)[None, :, None]
+    q = tl.arange(0, 4)[None, None, :]
+    return tl.sum(tl.sum(tl.where((w == 0) & (q == g // 2), tl.reshape(v, (NW, 8, 4)), 0), axis=2), axis=0)
 
 
 @triton.jit
@@ -456,7 +490,9 @@ def _pick_word(win, i):
 def _ld_s_window(p, kl, SROWB: tl.constexpr, NSUB: tl.constexpr, KL: tl.constexpr, IS_NV: tl.constexpr):
     """``_ld_s`` for the staged loop: the iteration's scale window of rows a and b (``p`` int32 pointers
     to the window of row a: the KL NSUB chunks' SB bytes each, 16-byte copies, asynchronous in the
-    pipeliner's ring), and of it the lane's NSUB raw scales per row (chunks kl + KL j)."""
+    pipeliner's ring), and of it the lane's NSUB raw scales per row (chunks kl + KL j).  (One copy per
+    row, [NW, 8, NWW] broadcast to the row's 4 lanes, is one word per thread: the compiler then picks
+    the bytes across lanes -- 64 shuffles, 32 shared stores and 15 more barriers per iteration, SASS.)"""
     SB: tl.constexpr = 2 if IS_NV else 1
     NWW: tl.constexpr = KL * NSUB * SB // 4  # words per row and iteration
     MASK: tl.constexpr = 0xFFFF if IS_NV else 0xFF
@@ -473,12 +509,12 @@ def _ld_s_window(p, kl, SROWB: tl.constexpr, NSUB: tl.constexpr, KL: tl.constexp
 
 
 @triton.jit
-def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr, KL: tl.constexpr,
-            NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
+def _k_loop(wa, s_ptr, soff, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr,
+            KL: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
             WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
-            STAGES: tl.constexpr = 3):
-    """This lane's chunks of rows a and b against its B operands (``xb + xoff``, fp16): (c0, c1, c2, c3)
-    per lane."""
+            STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False):
+    """This lane's chunks of rows a and b (scales at ``s_ptr + soff``) against its B operands (``xb + xoff``,
+    fp16): (c0, c1, c2, c3) per lane."""
     NT: tl.constexpr = 32 * NW
     SB: tl.constexpr = 2 if IS_NV else 1
     z = tl.zeros((NT,), dtype=tl.float32)
@@ -493,15 +529,22 @@ def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, S
         # The interpreter runs these same loads (pointers, feeder columns, masks, scale words); only the
         # MMA is emulated, on the loaded words recast to its operand form (``_emu_chunk_operands``).
         wa32 = wa.to(tl.pointer_type(tl.int32), bitcast=True)
-        sa32 = sa.to(tl.pointer_type(tl.int32), bitcast=True)
+        s32 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x32 = xb.to(tl.pointer_type(tl.int32), bitcast=True)
         # the B operands: one copy per column from its feeder's offset (a multiple of 32 fp16: the
-        # compiler then knows the 16-byte alignment and copies 16 bytes at a time), not one per lane
-        p8 = xb.to(tl.pointer_type(tl.int32), bitcast=True) + tl.multiple_of(_per_column(xoff, NW) // 2, [16, 16])
-        f8 = _per_column(feed.to(tl.int32), NW) != 0
+        # compiler then knows the 16-byte alignment and copies 16 bytes at a time), not one per lane;
+        # SHARE: one copy per program, which every warp reads (they take the same K): 1/NW of the copies
+        if SHARE:
+            p8 = x32 + tl.multiple_of(_per_column_shared(xoff, NW) // 2, [16])
+            f8 = _per_column_shared(feed.to(tl.int32), NW) != 0
+        else:
+            p8 = x32 + tl.multiple_of(_per_column(xoff, NW) // 2, [16, 16])
+            f8 = _per_column(feed.to(tl.int32), NW) != 0
+        sa32 = s32 + soff // 4
         for it in tl.range(NIT, num_stages=STAGES):
             s = _ld_s_window(sa32 + it * (SB * KL * NSUB // 4), kl, SROWB, NSUB, KL, IS_NV)
             w = _ld_w_words(wa32 + it * (4 * KL * NSUB), ROWB, NSUB, KL)
-            x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL)
+            x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL, SHARE)
             if USE_ASM:
                 for j in tl.static_range(NSUB):
                     acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
@@ -510,6 +553,7 @@ def _k_loop(wa, sa, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, S
                 for j in tl.static_range(NSUB):
                     acc = _chunk(acc, we, s, xe, j, NSUB, IS_NV, NW, USE_ASM)
         return acc
+    sa = s_ptr + soff
     xq = xb + xoff
     WST: tl.constexpr = 16 * KL * NSUB  # bytes per iteration and row
     SST: tl.constexpr = SB * KL * NSUB
@@ -580,7 +624,7 @@ def _gate_up_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr,
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
-    STAGES: tl.constexpr = 3,
+    STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -598,7 +642,7 @@ def _gate_up_hmma_kernel(
         # staged loop the row's window (every lane slot's, from the row's start)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)
         wa = w_ptr + row * HB + kl * 16
-        sa = s_ptr + row * SR + kl * SOFF
+        soff = row * SR + kl * SOFF
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
         no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
@@ -607,8 +651,8 @@ def _gate_up_hmma_kernel(
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
-            acc = _k_loop(wa, sa, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW,
-                          WLD, SLD, XLD, USE_ASM, STAGES)
+            acc = _k_loop(wa, s_ptr, soff, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB,
+                          I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
@@ -629,6 +673,7 @@ def _down_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr, YSCALE: tl.constexpr,
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
+    SHARE: tl.constexpr = False,
 ):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -644,15 +689,15 @@ def _down_hmma_kernel(
         row = e * D + r1.to(tl.int64)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)  # as in the gate/up kernel
         wa = w_ptr + row * HB + kl * 16
-        sa = s_ptr + row * SR + kl * SOFF
+        soff = row * SR + kl * SOFF
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
         ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, P, q, 1)
-            acc = _k_loop(wa, sa, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW,
-                          WLD, SLD, XLD, USE_ASM, STAGES)
+            acc = _k_loop(wa, s_ptr, soff, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB),
+                          8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE)
             for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
@@ -692,6 +737,7 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         raise ValueError(f"hmma prefetch must be 0 (staged), 1 or 2, got {pf}.")
     gu, dn = cfg["gate_up"], cfg["down"]
     stages = int(cfg.get("stages", 3))
+    share = bool(cfg.get("share", False))  # hmma_supports (above) checked it: staged, ksplit 1
     if pf == 0 and stages < 1:
         raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}
@@ -704,7 +750,7 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
             xh, xs, ids, w13.view(torch.uint8), w13_scale.view(torch.uint8), w13_global.float().contiguous(), act16, p,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
@@ -712,5 +758,5 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         _down_hmma_kernel[(p, d // (16 * nw // ks))](
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, num_warps=nw, num_stages=1, **regs,
         )
