@@ -351,6 +351,9 @@ SWEEP = {
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
     "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0, hmma_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)
     "pre8": dict(stream_max_tokens=4, hmma_max_tokens=0),  # the routing before the staged hmma loop (until 2026-12-01, eighth session)
+    "pre9": dict(stream_max_tokens={"nvfp4": 4, "mxfp4": 3}, hmma_min_tokens={"nvfp4": 8, "mxfp4": 4},  # eighth session's
+                 hmma={"nvfp4": dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2)),  # (168 registers)
+                       "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))}),
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),
@@ -468,6 +471,9 @@ SWEEP = {
            ("hm_st_sx", dict(prefetch=0, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
            ("hm_st4_sx", dict(prefetch=0, stages=4, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
            ("hm_st_n2_sx", dict(prefetch=0, share=True, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           # rN = ptxas register cap N (the default 168 leaves 3 programs per SM: ncu, T=16, ninth session)
+           *((f"hm_st{tag}_r{r}", dict(prefetch=0, maxnreg=r, gate_up=dict(nsub=ns), down=dict(nsub=ns), **extra), None)
+             for r in (128, 96, 80) for tag, ns, extra in (("", 4, {}), ("_sx", 4, {"share": True}), ("_n2", 2, {}))),
            ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
            ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
            ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),
@@ -605,8 +611,9 @@ def main():
                     cfgv = SWEEP[name]
                     if "hmma" in cfgv:  # an unsupported hmma config would time the op's other path under its name
                         from dsv4_mtp_hf.ops.triton.fp4_moe_hmma import hmma_supports
+                        from dsv4_mtp_hf.ops.triton.fp4_moe_triton import route_value
 
-                        if not hmma_supports(D, I, cfgv["hmma"], LIMIT, fmt == "nvfp4"):
+                        if not hmma_supports(D, I, route_value(cfgv, "hmma", fmt), LIMIT, fmt == "nvfp4"):
                             log(f"[{fmt} T={T}] variant {name}: not supported for this format / shape, skipped", file=logf)
                             continue
 

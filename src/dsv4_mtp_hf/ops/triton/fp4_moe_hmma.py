@@ -1,5 +1,6 @@
 """Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
-at T=8..16 NVFP4 and T=4..16 MXFP4 since 2026-12-01; see "prefetch=0" below): FP4 decoded straight to fp16
+at T=4..16 since 2026-12-01 -- MXFP4 from the eighth session, NVFP4 at T=4..7 from the ninth, with 96
+registers; see "prefetch=0" below): FP4 decoded straight to fp16
 ``mma.sync`` operands, block scales applied in fp32 to the MMA results (exact products, fp32
 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
 
@@ -81,11 +82,18 @@ keep the ring's copies few and 16-byte wide (each was a measured 2x or more, BEN
 once per warp (the warps take the same K): an [8, NSUB, 16] load, 16-byte copies at NSUB 4, that every warp
 reads from the ring -- MXFP4 nsub 4: 11 instead of 14 copies per thread and iteration, 44 instead of 56 KB of
 shared memory (offline SASS); at NSUB 2 (8-byte copies) the split costs a shared-memory round trip.
+Measured (H200, ninth session, one run, us, MXFP4 nsub 4 without / with): 45.8 / 42.4 at T=1, 117.6 /
+123.9 at T=4, 243.1 / 226.6 at T=8, 462.2 / 490.9 at T=16; NVFP4 nsub 2: 250.4 / 271.0 at T=8, 457.4 /
+573.5 at T=16.  Mixed, so it stays off.
 Status (H200, 2026-12-01, rotated routings): MXFP4 with nsub 4 46.1 / 72.9 / 118.1 / 460.9 us at
 T=1/2/4/16 (defaults 42.8 / 74.7 / 144.2 / 493.9, seventh session); NVFP4 nsub 2 48.0 at T=1, 460.5
 at T=16 (default 478.5); eighth session, same runs: MXFP4 nsub 4 117.5 / 242.3 / 459.9 at T=4 / 8 / 16
 (defaults 139.6 / 303.5 / 497.1), NVFP4 nsub 2 253.7 / 445.4 at T=8 / 16 (271.6 / 466.9): routed to
-there (``fp4_moe_triton.CONFIG``).
+there (``fp4_moe_triton.CONFIG``).  Ninth session: ncu at T=16 (MXFP4) shows the staged kernels at 168
+registers per thread (``maxnreg``; the offline build allocates 109-117), so 3 programs (12 warps) per
+SM, 18% occupancy, 2.2-2.5 TB/s from DRAM; NVFP4 nsub 2 with ``maxnreg=96`` (5 programs by registers, no spills in the sm_90 SASS): 122.4 /
+233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 with 168 (one run) -- the NVFP4 default
+now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain at T=4 (T=8..16 unmeasured).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
