@@ -474,6 +474,11 @@ SWEEP = {
            # rN = ptxas register cap N (the default 168 leaves 3 programs per SM: ncu, T=16, ninth session)
            *((f"hm_st{tag}_r{r}", dict(prefetch=0, maxnreg=r, gate_up=dict(nsub=ns), down=dict(nsub=ns), **extra), None)
              for r in (128, 96, 80) for tag, ns, extra in (("", 4, {}), ("_sx", 4, {"share": True}), ("_n2", 2, {}))),
+           # tf = "tiles_first" (the grid walks one expert's row tiles first); s4 = 4 stages
+           ("hm_st_tf", dict(prefetch=0, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_r128_tf", dict(prefetch=0, maxnreg=128, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_n2_r96_tf", dict(prefetch=0, maxnreg=96, tiles_first=True, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           ("hm_st_n2_r96s4", dict(prefetch=0, maxnreg=96, stages=4, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
            ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
            ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
            ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),

@@ -7,7 +7,8 @@
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
 # op vs cuBLAS with a read-only L2 flush; ncu: Nsight Compute on the T=1 FP4 MoE kernels (pipes, stalls);
-# staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults, T=1..64.
+# staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults and the
+# previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages.
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
 mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep"
@@ -42,8 +43,9 @@ for part in $parts; do
              run hmmasweep python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,8,16 --ref-ts "" \
                --no-humming --iters 30 --sweep hm,hm_pf2,hm_n1,hm_n4,hg32,dot --out "$OUT/sweep" ;;
     staged)  run staged_tests python3 -m pytest tests/test_fp4_moe_hmma.py -m gpu -q -k "staged or variants" -p no:cacheprovider
-             run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,8,16,64 --ref-ts "" \
-               --no-humming --flush rotate --iters 20 --sweep st@1+2+4,st_dn64@1,hm@1+16,hm_st,hm_st_n2@1+2+4+8+16 --out "$OUT/sweep" ;;
+             run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,3,4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --out "$OUT/sweep" \
+               --sweep pre9,hm_st@3+8+16,hm_st_r128@8+16,hm_st_tf@8+16,hm_st_r128_tf@8+16,hm_st_n2_r96_tf@4+8+16,hm_st_n2_r96s4@4+8+16 ;;
     rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
     quick)   run quick python3 benchmarks/draft_step.py --quick --iters 20 --out "$OUT" ;;

@@ -270,6 +270,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         # ... with the B operands copied once per program (share): nsub 4 and the nsub-2 split, 2 and 4 warps
         ("mxfp4", 3, 4, 1024, 512, dict(gate_up=dict(nsub=4), down=dict(nsub=4, num_warps=2), prefetch=0, share=True)),
         ("nvfp4", 5, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, share=True)),
+        # ... with the grid walking an expert's row tiles first
+        ("nvfp4", 9, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, tiles_first=True)),
     ]
     worst = 0.0
     for fmt, T, E, D, I, cfg in cases:
@@ -380,6 +382,7 @@ HM_CFGS = {
     "staged_s2": dict(prefetch=0, stages=2, gate_up=dict(nsub=4), down=dict(nsub=4)),
     "staged_w8k2": dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)),
     "staged_share": dict(prefetch=0, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)),  # B copied once per program
+    "staged_tiles_first": dict(prefetch=0, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)),  # grid order
 }
 STAGED_NV_N2 = dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2))  # NVFP4 only (MXFP4: an 8-byte scale window)
 
@@ -434,7 +437,7 @@ def test_hmma_matches_f64(fmt, shape, T):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", ["flash", "pro"])
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_share", "staged_nv_n2"])
+@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_share", "staged_tiles_first", "staged_nv_n2"])
 def test_hmma_staged_matches_f64(fmt, shape, T, cfg):
     """The staged K loop at decode sizes: every y element written, against float64, and the same
     function as the register-prefetch loop (within rounding: both sum in fp32)."""

@@ -91,9 +91,12 @@ at T=16 (default 478.5); eighth session, same runs: MXFP4 nsub 4 117.5 / 242.3 /
 (defaults 139.6 / 303.5 / 497.1), NVFP4 nsub 2 253.7 / 445.4 at T=8 / 16 (271.6 / 466.9): routed to
 there (``fp4_moe_triton.CONFIG``).  Ninth session: ncu at T=16 (MXFP4) shows the staged kernels at 168
 registers per thread (``maxnreg``; the offline build allocates 109-117), so 3 programs (12 warps) per
-SM, 18% occupancy, 2.2-2.5 TB/s from DRAM; NVFP4 nsub 2 with ``maxnreg=96`` (5 programs by registers, no spills in the sm_90 SASS): 122.4 /
-233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 with 168 (one run) -- the NVFP4 default
-now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain at T=4 (T=8..16 unmeasured).
+SM, 18% occupancy, 2.2-2.5 TB/s from DRAM; NVFP4 nsub 2 with ``maxnreg=96`` (5 programs by registers,
+no spills in the sm_90 SASS): 122.4 / 233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 with
+168 (one run) -- the NVFP4 default now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain
+at T=4 (T=8..16 unmeasured).  ``"tiles_first": True`` (opt-in, not yet timed) swaps the grid's axes so the
+programs running together take consecutive row tiles of a few experts instead of one row tile of every
+expert (up to ~100 at T=16, 8 MiB apart: the same DRAM channels, unless the address hash spreads them).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
@@ -632,10 +635,10 @@ def _gate_up_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr,
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
-    STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False,
+    STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
 ):
-    pid_p = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_p = tl.program_id(1 if TILES_FIRST else 0)
+    pid_n = tl.program_id(0 if TILES_FIRST else 1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
         RG: tl.constexpr = NW // KSPLIT  # lane groups (gate row + up row) per K slice
@@ -681,10 +684,10 @@ def _down_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr, YSCALE: tl.constexpr,
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
-    SHARE: tl.constexpr = False,
+    SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
 ):
-    pid_p = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_p = tl.program_id(1 if TILES_FIRST else 0)
+    pid_n = tl.program_id(0 if TILES_FIRST else 1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
         RG: tl.constexpr = NW // KSPLIT
@@ -746,6 +749,14 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     gu, dn = cfg["gate_up"], cfg["down"]
     stages = int(cfg.get("stages", 3))
     share = bool(cfg.get("share", False))  # hmma_supports (above) checked it: staged, ksplit 1
+    # "tiles_first": the grid's fastest axis walks one expert's row tiles (programs running together stream
+    # a few experts' weights), not the pairs (they then read the same row tile of up to ~100 experts at once,
+    # addresses a power-of-two expert stride apart)
+    tf = bool(cfg.get("tiles_first", False))
+
+    def grid(pairs, tiles):
+        return (tiles, pairs) if tf else (pairs, tiles)
+
     if pf == 0 and stages < 1:
         raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}
@@ -754,17 +765,19 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
                                 IP=triton.next_power_of_2(inter), num_warps=4)
         nw, ks = gu["num_warps"], gu["ksplit"]
         wld, sld, xld = load_asms("gate_up", d, inter, is_nv, cfg)
-        _gate_up_hmma_kernel[(p, inter // (8 * nw // ks))](
+        _gate_up_hmma_kernel[grid(p, inter // (8 * nw // ks))](
             xh, xs, ids, w13.view(torch.uint8), w13_scale.view(torch.uint8), w13_global.float().contiguous(), act16, p,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf,
+            num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
         wld, sld, xld = load_asms("down", inter, 8 * (nw // ks), is_nv, cfg)
-        _down_hmma_kernel[(p, d // (16 * nw // ks))](
+        _down_hmma_kernel[grid(p, d // (16 * nw // ks))](
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf,
+            num_warps=nw, num_stages=1, **regs,
         )
