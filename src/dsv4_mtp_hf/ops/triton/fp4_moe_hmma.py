@@ -1,8 +1,8 @@
 """Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
-at T=4..16 since 2026-12-01 -- MXFP4 from the eighth session, NVFP4 at T=4..7 from the ninth, with 96
-registers; see "prefetch=0" below): FP4 decoded straight to fp16
-``mma.sync`` operands, block scales applied in fp32 to the MMA results (exact products, fp32
-accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
+at T=4..16 since 2026-12-01 -- MXFP4 and NVFP4 T=8..16 since the eighth session, NVFP4 T=4..7 and its
+96-register cap since the ninth; see "prefetch=0" below): FP4 decoded straight to fp16 ``mma.sync``
+operands, block scales applied in fp32 to the MMA results (exact products, fp32 accumulation): 1.81
+(NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
 
 Status (2026-11-30): exact on the H200 (tests/test_fp4_moe_hmma.py ``-m gpu``: 41 passed, the
 tensor cores keep fp16 subnormal weights) but not faster: 55.0 / 53.1 µs at T=1 (``hm`` / ``hm_pf2``)
