@@ -160,7 +160,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
     """Whether the kernels tile these sizes (K a multiple of 32 KL NSUB per matrix, twice that where
     the K loop is unrolled by two), the limit gives a static activation prescale and, for the staged
     loop (prefetch 0), a row's scale window per iteration (KL nsub chunks, 2 bytes each NVFP4, 1 MXFP4)
-    is whole 16-byte copies: with ksplit 1, nsub 2 or 4 (NVFP4), 4 (MXFP4)."""
+    is whole 16-byte copies: with ksplit 1, nsub 2 or 4 (NVFP4), 4 (MXFP4); ``share`` needs the staged loop
+    and ksplit 1."""
     cfg = hmma_config(cfg)
     gu, dn = cfg["gate_up"], cfg["down"]
     ok = act_prescale(limit) is not None
@@ -428,17 +429,11 @@ def _split4(t):
 
 
 @triton.jit
-def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr, SHARE: tl.constexpr):
-    """One chunk's 16 int32 words of B operands at ``p8 [NW, 8] + o`` (B column j's feeder's pointer),
-    copied once per column (masked by ``f8``), not once per lane, and handed to the lanes: lane (g, q)
-    gets column g's words if it is that column's feeder (q == g // 2), else zeros (as the zero row).
-    SHARE: ``p8`` / ``f8`` are [8], one copy per program that every warp reads (K split 1: all warps
-    take the same K)."""
-    if SHARE:  # p8: the chunk's [8, 16] words (the iteration's chunks are loaded together: _ld_x_feeders)
-        v = tl.broadcast_to(p8[None, :, None, :], (NW, 8, 4, 16))
-    else:
-        v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
-        v = tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16))
+def _to_lanes(v):
+    """A chunk's B-operand words per column, broadcast to every lane (``v [NW, 8, 4, 16]``) -> the lanes'
+    words: lane (g, q) keeps column g's if it is that column's feeder (q == g // 2), else zeros (as the zero
+    row); as 16 [NT] tensors in ``_chunk``'s order."""
+    NW: tl.constexpr = v.shape[0]
     g = tl.arange(0, 8)[None, :, None, None]
     q = tl.arange(0, 4)[None, None, :, None]
     lanes = tl.where(q == g // 2, v, 0)
@@ -450,28 +445,43 @@ def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr, SHARE: tl.constexpr
 
 
 @triton.jit
+def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
+    """One chunk's 16 int32 words of B operands at ``p8 [NW, 8] + o`` (B column j's feeder's pointer),
+    copied once per column (masked by ``f8``), not once per lane, and handed to the lanes (``_to_lanes``)."""
+    v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
+    return _to_lanes(tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16)))
+
+
+@triton.jit
+def _shared_chunk(v, NW: tl.constexpr):
+    """One chunk's [8, 16] words of a per-program copy (SHARE), read by every warp."""
+    return _to_lanes(tl.broadcast_to(v[None, :, None, :], (NW, 8, 4, 16)))
+
+
+@triton.jit
 def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr, SHARE: tl.constexpr):
     """The staged loop's B operands: per chunk (NSUB of them, CS chunks apart) 16 words, one copy per B column
-    (per warp, or with SHARE per program)."""
+    and warp (``p8`` / ``f8`` [NW, 8]), or with SHARE one per column and program (``p8`` / ``f8`` [8]: K split 1,
+    every warp takes the same K)."""
     S: tl.constexpr = 16 * CS
     if SHARE:  # one [8, NSUB, 16] copy (4 words per thread at NSUB 4: 16-byte copies), split per chunk
         c = tl.arange(0, NSUB)[None, :, None] * S + tl.arange(0, 16)[None, None, :]
         v = tl.permute(tl.load(p8[:, None, None] + c, mask=f8[:, None, None], other=0), (0, 2, 1))  # [8, 16, NSUB]
         if NSUB == 2:
             v0, v1 = tl.split(v)
-            return _feeder_chunk(v0, f8, 0, NW, SHARE) + _feeder_chunk(v1, f8, 0, NW, SHARE)
+            return _shared_chunk(v0, NW) + _shared_chunk(v1, NW)
         else:
+            tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
             ev, od = tl.split(tl.reshape(v, (8, 16, 2, 2)))  # chunks (0, 2), (1, 3)
             v0, v2 = tl.split(ev)
             v1, v3 = tl.split(od)
-            return (_feeder_chunk(v0, f8, 0, NW, SHARE) + _feeder_chunk(v1, f8, 0, NW, SHARE)
-                    + _feeder_chunk(v2, f8, 0, NW, SHARE) + _feeder_chunk(v3, f8, 0, NW, SHARE))
+            return _shared_chunk(v0, NW) + _shared_chunk(v1, NW) + _shared_chunk(v2, NW) + _shared_chunk(v3, NW)
     elif NSUB == 2:
-        return _feeder_chunk(p8, f8, 0, NW, SHARE) + _feeder_chunk(p8, f8, S, NW, SHARE)
+        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW)
     else:
         tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
-        return (_feeder_chunk(p8, f8, 0, NW, SHARE) + _feeder_chunk(p8, f8, S, NW, SHARE)
-                + _feeder_chunk(p8, f8, 2 * S, NW, SHARE) + _feeder_chunk(p8, f8, 3 * S, NW, SHARE))
+        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW) + _feeder_chunk(p8, f8, 2 * S, NW)
+                + _feeder_chunk(p8, f8, 3 * S, NW))
 
 
 @triton.jit
