@@ -110,27 +110,36 @@ def bf16_pair(seed=0):
 
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_compiled_drafter_with_eager_rounding_rounds_like_the_uncompiled_step(draft_vocab):
-    """bf16 weights and activations, one step: with ``eager_rounding`` the compiled step's logits are those
-    of the uncompiled step (bitwise on almost every draw: only a reduction summed in another order can
-    flip a rounding); with Inductor's own rounding (fp32 intermediates inside its fused kernels) they
-    are a different rounding of the same math, ~7e-3 away."""
-    seed = fresh_seed()
+    """bf16 weights and activations, one step on each of 16 fresh draws: with ``eager_rounding`` the
+    compiled step's logits are those of the uncompiled step, bitwise on most draws (a reduction summed in
+    another order can flip one rounding, which the later layers carry to ~4e-3: 2 of 40 draws, measured);
+    with Inductor's own rounding (fp32 intermediates inside its fused kernels) they are a different
+    rounding of the same math, ~7e-3 away on every draw.  (One draw per test failed ~1 run in 8.)"""
+    seeds = [fresh_seed() for _ in range(16)]
     _, mtp = bf16_pair()
     assert mtp.e_proj.weight.dtype == torch.bfloat16
-    cache, tok, res = primed(mtp, 2, 9, torch.Generator().manual_seed(seed))
-    lengths, pool = cache.seq_lengths.clone(), cache.pool.clone()
-    _, want, _ = run_steps(mtp.draft_step, cache, tok, res, 1, draft_vocab)
+    draws = []
+    for seed in seeds:  # the uncompiled step's logits, and the state to rerun it from
+        cache, tok, res = primed(mtp, 2, 9, torch.Generator().manual_seed(seed))
+        lengths, pool = cache.seq_lengths.clone(), cache.pool.clone()
+        _, want, _ = run_steps(mtp.draft_step, cache, tok, res, 1, draft_vocab)
+        draws.append((cache, tok, res, lengths, pool, want))
     err = {}
     for eager_rounding in (True, False):
-        cache.seq_lengths.copy_(lengths)
-        cache.pool.copy_(pool)
         torch._dynamo.reset()  # a fresh compile per option
-        step = GraphedDrafter(mtp, cache, 1, compile=True, eager_rounding=eager_rounding).step
-        _, got, _ = run_steps(step, cache, tok, res, 1, draft_vocab)
-        fin = torch.isfinite(want)  # the draft vocabulary's -inf rows
-        assert torch.equal(fin, torch.isfinite(got))
-        err[eager_rounding] = float((got[fin].float() - want[fin].float()).norm() / want[fin].float().norm())
-    assert err[True] < 1e-3 and err[True] < err[False] / 4, (seed, err)
+        step = GraphedDrafter(mtp, draws[0][0], 1, compile=True, eager_rounding=eager_rounding).step
+        err[eager_rounding] = []
+        for cache, tok, res, lengths, pool, want in draws:
+            cache.seq_lengths.copy_(lengths)
+            cache.pool.copy_(pool)
+            _, got, _ = run_steps(step, cache, tok, res, 1, draft_vocab)
+            fin = torch.isfinite(want)  # the draft vocabulary's -inf rows
+            assert torch.equal(fin, torch.isfinite(got))
+            err[eager_rounding].append(float((got[fin].float() - want[fin].float()).norm() / want[fin].float().norm()))
+    bitwise = sum(e == 0 for e in err[True])
+    mean = {k: sum(v) / len(v) for k, v in err.items()}
+    assert bitwise >= len(seeds) // 2 and mean[True] < mean[False] / 4, (seeds, err)
+    assert sum(e == 0 for e in err[False]) < len(seeds) // 2, (seeds, err)  # the two options do differ
 
 
 def agreement(got_l, want_l, got_d, want_d):
