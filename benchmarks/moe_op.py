@@ -354,6 +354,9 @@ SWEEP = {
     "pre9": dict(stream_max_tokens={"nvfp4": 4, "mxfp4": 3}, hmma_min_tokens={"nvfp4": 8, "mxfp4": 4},  # eighth session's
                  hmma={"nvfp4": dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2)),  # (168 registers)
                        "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))}),
+    "pre10": dict(stream_max_tokens=3, hmma_min_tokens=4,  # the ninth session's (MXFP4 at 168 registers from T=4)
+                  hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
+                        "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))}),
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),
@@ -479,6 +482,18 @@ SWEEP = {
            ("hm_st_r128_tf", dict(prefetch=0, maxnreg=128, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
            ("hm_st_n2_r96_tf", dict(prefetch=0, maxnreg=96, tiles_first=True, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
            ("hm_st_n2_r96s4", dict(prefetch=0, maxnreg=96, stages=4, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           # _tN = N row tiles per program, _tNf = ... in one flattened loop (Triton's flatten), on the routed configs
+           *((f"hm_st{tag}_t{n}{'f' if fl else ''}", dict(prefetch=0, maxnreg=r, tpp=n, flatten=fl, gate_up=dict(nsub=ns),
+                                                        down=dict(nsub=ns)), None)
+             for n in (2, 4, 8) for fl in (False, True) for tag, ns, r in (("_r128", 4, 128), ("_n2_r96", 2, 96))),
+           # _pr = probe: the same grid, loads and ring without the FP4 math (garbage result, unchecked): what the
+           # staged loop's loads alone cost
+           ("hm_st_pr", dict(prefetch=0, probe=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_tf_pr", dict(prefetch=0, probe=True, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_r128_pr", dict(prefetch=0, probe=True, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
+           ("hm_st_n2_r96_pr", dict(prefetch=0, probe=True, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
+           ("hm_st_n2_r96_tf_pr", dict(prefetch=0, probe=True, maxnreg=96, tiles_first=True, gate_up=dict(nsub=2),
+                                       down=dict(nsub=2)), None),
            ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
            ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
            ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),
@@ -627,7 +642,7 @@ def main():
 
                     make_var(ids)()
                     torch.cuda.synchronize()
-                    e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv and not (cfgv.get("stream") or {}).get("probe") else None
+                    e2 = (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan")) if "only" not in cfgv and not any(isinstance(v, dict) and v.get("probe") for v in cfgv.values()) else None
                     row[f"v:{name}"] = (timed(make_var), e2)
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] variant {name} FAILED: {type(err).__name__}: "

@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, tpp, optests, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -11,7 +11,7 @@
 # previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages.
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
-mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep"
+mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/tpp_nv" "$OUT/tpp_mx"
 parts=${*:-tests draft batched moe}
 summary=()
 run() {  # name, command...
@@ -31,7 +31,7 @@ for part in $parts; do
     hgemv)   run hgemv_tests python3 -m pytest tests/test_fp4_moe_hgemv.py -m gpu -q -p no:cacheprovider ;;
     draft)   run draft python3 benchmarks/draft_step.py --iters 30 --out "$OUT" ;;
     batched) run batched python3 benchmarks/batched_generate.py --out "$OUT" ;;
-    moe)     run moe python3 benchmarks/moe_op.py --out "$OUT" --iters 20 ;;
+    moe)     run moe python3 benchmarks/moe_op.py --out "$OUT" --iters 20 --flush rotate ;;
     batched32) run batched32 python3 benchmarks/batched_generate.py --dtype float32 --layers 2 --no-demo --repeats 1 --out "$OUT/fp32" ;;
     moesweep) run moesweep python3 benchmarks/moe_op.py --fmts nvfp4 --ts 1,2,4 --ref-ts "" --no-humming --read-probe 4096 --sweep gv32@1+2,gvrow@1,dot --out "$OUT/sweep" ;;
     stream)  run stream_tests python3 -m pytest tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider
@@ -46,6 +46,18 @@ for part in $parts; do
              run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,3,4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --out "$OUT/sweep" \
                --sweep pre9,hm_st@3+8+16,hm_st_r128@8+16,hm_st_tf@8+16,hm_st_r128_tf@8+16,hm_st_n2_r96_tf@4+8+16,hm_st_n2_r96s4@4+8+16 ;;
+    # probe: what the staged loop's loads alone cost (its grid and ring, no math), against the contiguous read probe
+    probe)   run probe python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --read-probe 4096,16384 --out "$OUT/probe" \
+               --sweep hm_st_pr,hm_st_tf_pr,hm_st_n2_r96_pr,hm_st_n2_r96_tf_pr,st_probe ;;
+    # tpp: several row tiles per program (tN), in one flattened loop (tNf), on the routed staged configs, per format
+    tpp)     run tpp_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" --no-humming \
+               --flush rotate --iters 20 --out "$OUT/tpp_nv" \
+               --sweep hm_st_n2_r96_t2,hm_st_n2_r96_t2f,hm_st_n2_r96_t4,hm_st_n2_r96_t4f,hm_st_n2_r96_t8f
+             run tpp_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 4,8,16 --ref-ts "" --no-humming \
+               --flush rotate --iters 20 --out "$OUT/tpp_mx" \
+               --sweep hm_st_r128_t2,hm_st_r128_t2f,hm_st_r128_t4,hm_st_r128_t4f,hm_st_r128_t8f ;;
+    optests) run optests python3 -m pytest tests/test_fp4_moe_op.py tests/test_mtp_moe.py tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider ;;
     rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
     quick)   run quick python3 benchmarks/draft_step.py --quick --iters 20 --out "$OUT" ;;
@@ -54,10 +66,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, tpp, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe tpp_nv tpp_mx attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"

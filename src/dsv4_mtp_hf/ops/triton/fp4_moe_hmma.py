@@ -1,8 +1,9 @@
 """Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
 at T=4..16 since 2026-12-01 -- MXFP4 and NVFP4 T=8..16 since the eighth session, NVFP4 T=4..7 and its
-96-register cap since the ninth; see "prefetch=0" below): FP4 decoded straight to fp16 ``mma.sync``
-operands, block scales applied in fp32 to the MMA results (exact products, fp32 accumulation): 1.81
-(NVFP4) / 1.71 (MXFP4) SASS instructions per weight in the K loops.
+96-register cap since the ninth, MXFP4 T=3 and its 128-register cap since the tenth; see "prefetch=0"
+below): FP4 decoded straight to fp16 ``mma.sync`` operands, block scales applied in fp32 to the MMA
+results (exact products, fp32 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in
+the K loops.
 
 Status (2026-11-30): exact on the H200 (tests/test_fp4_moe_hmma.py ``-m gpu``: 41 passed, the
 tensor cores keep fp16 subnormal weights) but not faster: 55.0 / 53.1 µs at T=1 (``hm`` / ``hm_pf2``)
@@ -94,9 +95,17 @@ registers per thread (``maxnreg``; the offline build allocates 109-117), so 3 pr
 SM, 18% occupancy, 2.2-2.5 TB/s from DRAM; NVFP4 nsub 2 with ``maxnreg=96`` (5 programs by registers,
 no spills in the sm_90 SASS): 122.4 / 233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 with
 168 (one run) -- the NVFP4 default now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain
-at T=4 (T=8..16 unmeasured).  ``"tiles_first": True`` (opt-in, not yet timed) swaps the grid's axes so the
-programs running together take consecutive row tiles of a few experts instead of one row tile of every
-expert (up to ~100 at T=16, 8 MiB apart: the same DRAM channels, unless the address hash spreads them).
+at T=4; tenth session: at 128 registers MXFP4 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 -- the
+MXFP4 default now (4 programs per SM, the limit of its 57 KB ring).  ``"tiles_first": True`` (opt-in) swaps
+the grid's axes so the programs running together take consecutive row tiles of a few experts instead of one
+row tile of every expert (up to ~100 at T=16, 8 MiB apart): no gain (tenth session: 449.2 vs 454.6 us
+NVFP4, 411.4 vs 406.9 MXFP4 at T=16).  ``"tpp": N`` (opt-in) gives each program N row tiles one after the
+other, ``"flatten": True`` as one loop (Triton's loop flattening: the ring runs on across the tiles, each
+tile's epilogue inside it): no gain either (tenth session, T=16: 437.1 / 409.7 us with 2 flattened tiles
+against 449.1 / 406.0, slower at T=4..8), so the programs' start and the ring's fill are not the cost.
+``"probe": True``: the same grid, loads and ring with the words xor-ed instead of the math (a garbage
+result, timing only): at T=16 the loads alone take 1.3-1.4x a contiguous read of the same bytes (365 / 341
+us against 256) and the math adds ~90-130 us on top (BENCHMARKS.md, tenth session).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
@@ -169,7 +178,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
         nw, ks, ns = c["num_warps"], c["ksplit"], c["nsub"]
         # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
         unroll = 1 if cfg["prefetch"] == 0 else 2
-        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
+        tpp = int(cfg.get("tpp", 1))  # row tiles per program: whole ones
+        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and tpp >= 1 and n % (rows * (nw // ks) * tpp) == 0
         if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
             ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
         if cfg.get("share"):  # one activation copy per program: staged, and every warp on the same K
@@ -533,9 +543,10 @@ def _ld_s_window(p, kl, SROWB: tl.constexpr, NSUB: tl.constexpr, KL: tl.constexp
 def _k_loop(wa, s_ptr, soff, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.constexpr, SROWB: tl.constexpr,
             KL: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr, IS_NV: tl.constexpr, NW: tl.constexpr,
             WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
-            STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False):
+            STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, PROBE: tl.constexpr = False):
     """This lane's chunks of rows a and b (scales at ``s_ptr + soff``) against its B operands (``xb + xoff``,
-    fp16): (c0, c1, c2, c3) per lane."""
+    fp16): (c0, c1, c2, c3) per lane.  PROBE (staged loop): the same loads and ring, their words xor-ed
+    instead of the FP4 math (a garbage result: what the loads alone cost, ``benchmarks/moe_op.py``)."""
     NT: tl.constexpr = 32 * NW
     SB: tl.constexpr = 2 if IS_NV else 1
     z = tl.zeros((NT,), dtype=tl.float32)
@@ -566,7 +577,16 @@ def _k_loop(wa, s_ptr, soff, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.con
             s = _ld_s_window(sa32 + it * (SB * KL * NSUB // 4), kl, SROWB, NSUB, KL, IS_NV)
             w = _ld_w_words(wa32 + it * (4 * KL * NSUB), ROWB, NSUB, KL)
             x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL, SHARE)
-            if USE_ASM:
+            if PROBE:
+                v = s[0]
+                for i in tl.static_range(1, len(s)):
+                    v = v ^ s[i]
+                for i in tl.static_range(len(w)):
+                    v = v ^ w[i]
+                for i in tl.static_range(len(x)):
+                    v = v ^ x[i]
+                acc = (acc[0] + v.to(tl.float32), acc[1], acc[2], acc[3])
+            elif USE_ASM:
                 for j in tl.static_range(NSUB):
                     acc = _chunk(acc, w, s, x, j, NSUB, IS_NV, NW, USE_ASM)
             else:
@@ -646,6 +666,7 @@ def _gate_up_hmma_kernel(
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
     STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
+    PROBE: tl.constexpr = False, TPP: tl.constexpr = 1, FLAT: tl.constexpr = False,
 ):
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
@@ -657,34 +678,36 @@ def _gate_up_hmma_kernel(
         SR: tl.constexpr = D // (16 if IS_NV else 32)  # scale bytes per row
         wid, g, q = _lanes(NW)
         kl = (wid % KSPLIT) * 4 + q
-        n = pid_n * (8 * RG) + (wid // KSPLIT) * 8 + g
-        row = e * (2 * I) + n.to(tl.int64)
         # lane slot kl's K: chunks kl, kl + KL, ... (16 bytes each); its scales at kl (SB bytes each), or in the
         # staged loop the row's window (every lane slot's, from the row's start)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)
-        wa = w_ptr + row * HB + kl * 16
-        soff = row * SR + kl * SOFF
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
-        no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
         T = P // TOPK
         c0r = count * 0
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
-            acc = _k_loop(wa, s_ptr, soff, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB,
-                          I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE)
-            for h in tl.static_range(2):
-                pair = _pair_of(pairs8, h)
-                ok = c0r + h < count
-                tok = pair // TOPK
-                s_t = tl.load(xs_ptr + tok)
-                undo = ((127 - s_t) << 23).to(tl.float32, bitcast=True)  # 2**-s, s in [-120, 120]
-                gv = tl.minimum(_rows_sum(acc[h], RG, KSPLIT) * undo * gg, LIMIT)
-                uv = _rows_sum(acc[2 + h], RG, KSPLIT) * undo * gu
-                uv = tl.minimum(tl.maximum(uv, -LIMIT), LIMIT)
-                a = gv / (1.0 + tl.exp(-gv)) * uv * ASCALE  # 2**SA
-                tl.store(act_ptr + pair.to(tl.int64) * I + _pair_pos(no), a.to(tl.float16), mask=ok)
+            # TPP row tiles per program, one after the other (FLAT: one flattened, pipelined loop over tiles and K)
+            for tt in tl.range(TPP, flatten=FLAT):
+                tile = pid_n * TPP + tt
+                n = tile * (8 * RG) + (wid // KSPLIT) * 8 + g
+                row = e * (2 * I) + n.to(tl.int64)
+                acc = _k_loop(w_ptr + row * HB + kl * 16, s_ptr, row * SR + kl * SOFF, kl, xh_ptr, brow * D + kl * 32,
+                              brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD,
+                              USE_ASM, STAGES, SHARE, PROBE)
+                no = tile * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
+                for h in tl.static_range(2):
+                    pair = _pair_of(pairs8, h)
+                    ok = c0r + h < count
+                    tok = pair // TOPK
+                    s_t = tl.load(xs_ptr + tok)
+                    undo = ((127 - s_t) << 23).to(tl.float32, bitcast=True)  # 2**-s, s in [-120, 120]
+                    gv = tl.minimum(_rows_sum(acc[h], RG, KSPLIT) * undo * gg, LIMIT)
+                    uv = _rows_sum(acc[2 + h], RG, KSPLIT) * undo * gu
+                    uv = tl.minimum(tl.maximum(uv, -LIMIT), LIMIT)
+                    a = gv / (1.0 + tl.exp(-gv)) * uv * ASCALE  # 2**SA
+                    tl.store(act_ptr + pair.to(tl.int64) * I + _pair_pos(no), a.to(tl.float16), mask=ok)
             c0r += 2
 
 
@@ -694,7 +717,8 @@ def _down_hmma_kernel(
     I: tl.constexpr, D: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr, YSCALE: tl.constexpr,
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
-    SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
+    SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False, PROBE: tl.constexpr = False,
+    TPP: tl.constexpr = 1, FLAT: tl.constexpr = False,
 ):
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
@@ -706,26 +730,27 @@ def _down_hmma_kernel(
         SR: tl.constexpr = I // (16 if IS_NV else 32)
         wid, g, q = _lanes(NW)
         kl = (wid % KSPLIT) * 4 + q
-        r1 = pid_n * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
-        row = e * D + r1.to(tl.int64)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)  # as in the gate/up kernel
-        wa = w_ptr + row * HB + kl * 16
-        soff = row * SR + kl * SOFF
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
-        ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, P, q, 1)
-            acc = _k_loop(wa, s_ptr, soff, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB),
-                          8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE)
-            for h in tl.static_range(2):
-                pair = _pair_of(pairs8, h)
-                ok = c0r + h < count
-                f = tl.load(rw_ptr + pair, mask=ok, other=0.0) * gw  # routing weight after w2 (fp32)
-                dst = y_ptr + pair.to(tl.int64) * D + ro
-                tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
-                tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
+            for tt in tl.range(TPP, flatten=FLAT):  # as in the gate/up kernel
+                tile = pid_n * TPP + tt
+                r1 = tile * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
+                row = e * D + r1.to(tl.int64)
+                acc = _k_loop(w_ptr + row * HB + kl * 16, s_ptr, row * SR + kl * SOFF, kl, act_ptr, brow * I + kl * 32,
+                              brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD,
+                              SLD, XLD, USE_ASM, STAGES, SHARE, PROBE)
+                ro = tile * (16 * RG) + tl.arange(0, 8 * RG)
+                for h in tl.static_range(2):
+                    pair = _pair_of(pairs8, h)
+                    ok = c0r + h < count
+                    f = tl.load(rw_ptr + pair, mask=ok, other=0.0) * gw  # routing weight after w2 (fp32)
+                    dst = y_ptr + pair.to(tl.int64) * D + ro
+                    tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
+                    tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
             c0r += 2
 
 
@@ -763,9 +788,19 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     # a few experts' weights), not the pairs (they then read the same row tile of up to ~100 experts at once,
     # addresses a power-of-two expert stride apart)
     tf = bool(cfg.get("tiles_first", False))
+    probe = bool(cfg.get("probe", False))  # the loads without the math (a garbage result, timing only)
+    if probe and pf != 0:
+        raise ValueError("hmma probe: the staged loop only (prefetch 0).")
+
+    # "tpp": row tiles per program, one after the other (fewer, longer programs: the expert lookup and the ring's
+    # fill paid once per TPP tiles); "flatten": Triton's loop flattening over those tiles and K (one pipelined loop)
+    tpp = int(cfg.get("tpp", 1))
+    flat = bool(cfg.get("flatten", False))
 
     def grid(pairs, tiles):
-        return (tiles, pairs) if tf else (pairs, tiles)
+        if tiles % tpp:
+            raise ValueError(f"hmma tpp={tpp} must divide the {tiles} row tiles.")
+        return (tiles // tpp, pairs) if tf else (pairs, tiles // tpp)
 
     if pf == 0 and stages < 1:
         raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
@@ -779,8 +814,8 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
             xh, xs, ids, w13.view(torch.uint8), w13_scale.view(torch.uint8), w13_global.float().contiguous(), act16, p,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf,
-            num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
+            TPP=tpp, FLAT=flat, num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
@@ -788,6 +823,6 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         _down_hmma_kernel[grid(p, d // (16 * nw // ks))](
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
-            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf,
-            num_warps=nw, num_stages=1, **regs,
+            WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
+            TPP=tpp, FLAT=flat, num_warps=nw, num_stages=1, **regs,
         )
