@@ -17,10 +17,10 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
-``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..3, where it measured 11-15%
-faster, BENCHMARKS.md 2026-12-01) routes steps 1-2 to the streamed FMA GEMV kernels of ``fp4_moe_stream``,
-``CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]`` (default: T=4..16) to the staged fp16 mma.sync loop
-of ``fp4_moe_hmma``; the other ``*_min_tokens`` /
+``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..3 NVFP4, T=1..2 MXFP4, where it
+measured faster, BENCHMARKS.md) routes steps 1-2 to the streamed FMA GEMV kernels of ``fp4_moe_stream``,
+``CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]`` (default: T=4..16 NVFP4, T=3..16 MXFP4) to the staged
+fp16 mma.sync loop of ``fp4_moe_hmma``; the other ``*_min_tokens`` /
 ``*_max_tokens`` ranges (off by default) to the opt-in variants ``fp4_moe_gemv`` and ``fp4_moe_hgemv``.
 Each range key (and the variant's config key) is one value or a dict by format name.
 
@@ -293,20 +293,23 @@ CONFIG = {
     # 233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 at 168 and the stream's 134.9 at T=4
     # (one run, same run), so NVFP4 now takes it from T=4 (T=5..7 unmeasured, between two wins; they took
     # the tl.dot kernels before).  MXFP4 at 128 / 96: 117.4 / 120.3 vs 117.4 at T=4 (T=8..16 not yet
-    # measured), so it keeps 168.  Needs a finite swiglu_limit (else these T take the other paths).  Each
-    # of these routing keys may be one value or a dict by format name.
-    "hmma_min_tokens": 4,
+    # measured), so it kept 168.  Tenth session (2026-12-02, same runs): MXFP4 at 128 registers (4 programs per SM, the
+    # limit of its 57 KB ring) 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 at 168, and the staged loop at T=3
+    # 94.2-94.4 against the stream's 109.6-110.3 (two runs; 94.7 vs 105.8 in the ninth), so MXFP4 takes it from T=3
+    # with maxnreg 128 (T=4: 117.4 vs 117.1, equal).  Needs a finite swiglu_limit (else these T take the other paths).
+    # Each of these routing keys may be one value or a dict by format name.
+    "hmma_min_tokens": {"nvfp4": 4, "mxfp4": 3},
     "hmma_max_tokens": 16,
     "hmma": {"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
-             "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))},
+             "mxfp4": dict(prefetch=0, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4))},
     # From "stream_min_tokens" to "stream_max_tokens" tokens (checked first) the gate/up and down
     # kernels are the FMA GEMV kernels fed by a shared-memory ring of asynchronous copies
     # (``fp4_moe_stream``; exact like ``fp4_moe_gemv``); "stream" overrides its STREAM_CONFIG.
     # Measured on the H200 (BENCHMARKS.md, 2026-12-01, NVFP4, routings rotated): 42.3 / 73.9 / 136.9 us
     # at T = 1 / 2 / 4 against 48.0 / 84.7 / 156.7 for the previous defaults, slower at T=16.
-    # Both formats hand T=4 to the staged hmma loop (above).
+    # NVFP4 hands T=4 to the staged hmma loop (above), MXFP4 T=3.
     "stream_min_tokens": 1,
-    "stream_max_tokens": 3,
+    "stream_max_tokens": {"nvfp4": 3, "mxfp4": 2},
     "stream": None,
 }
 
