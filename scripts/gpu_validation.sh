@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, probe, tpp, optests, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, tpp, stages2, optests, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -11,7 +11,7 @@
 # previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages.
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
-mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/tpp_nv" "$OUT/tpp_mx"
+mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/tpp_nv" "$OUT/tpp_mx" "$OUT/stages2_mx" "$OUT/stages2_nv"
 parts=${*:-tests draft batched moe}
 summary=()
 run() {  # name, command...
@@ -57,6 +57,11 @@ for part in $parts; do
              run tpp_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 4,8,16 --ref-ts "" --no-humming \
                --flush rotate --iters 20 --out "$OUT/tpp_mx" \
                --sweep hm_st_r128_t2,hm_st_r128_t2f,hm_st_r128_t4,hm_st_r128_t4f,hm_st_r128_t8f ;;
+    # stages2: the staged loop with 2 stages (one buffer) and lower register caps: more programs per SM
+    stages2) run stages2_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 3,4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --out "$OUT/stages2_mx" --sweep hm_st2_r128,hm_st2_r96,hm_st2_r80,hm_st2_r72
+             run stages2_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --out "$OUT/stages2_nv" --sweep hm_st2_n2_r80 ;;
     optests) run optests python3 -m pytest tests/test_fp4_moe_op.py tests/test_mtp_moe.py tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider ;;
     rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
@@ -66,10 +71,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, tpp, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, tpp, stages2, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe tpp_nv tpp_mx attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe tpp_nv tpp_mx stages2_mx stages2_nv attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"

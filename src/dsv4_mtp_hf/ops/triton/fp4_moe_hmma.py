@@ -1,7 +1,7 @@
 """Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
 at T=4..16 since 2026-12-01 -- MXFP4 and NVFP4 T=8..16 since the eighth session, NVFP4 T=4..7 and its
-96-register cap since the ninth, MXFP4 T=3 and its 128-register cap since the tenth; see "prefetch=0"
-below): FP4 decoded straight to fp16 ``mma.sync`` operands, block scales applied in fp32 to the MMA
+96-register cap since the ninth, MXFP4 T=3 with 2 stages and 72 registers since the tenth; see
+"prefetch=0" below): FP4 decoded straight to fp16 ``mma.sync`` operands, block scales applied in fp32 to the MMA
 results (exact products, fp32 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in
 the K loops.
 
@@ -95,8 +95,9 @@ registers per thread (``maxnreg``; the offline build allocates 109-117), so 3 pr
 SM, 18% occupancy, 2.2-2.5 TB/s from DRAM; NVFP4 nsub 2 with ``maxnreg=96`` (5 programs by registers,
 no spills in the sm_90 SASS): 122.4 / 233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 with
 168 (one run) -- the NVFP4 default now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain
-at T=4; tenth session: at 128 registers MXFP4 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 -- the
-MXFP4 default now (4 programs per SM, the limit of its 57 KB ring).  ``"tiles_first": True`` (opt-in) swaps
+at T=4; tenth session: at 128 registers MXFP4 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 (4 programs
+per SM, the limit of its 57 KB ring), and with 2 stages (one 28 KB buffer) at 72 registers (7 programs)
+207.5-210.6 / 380.5-386.5 -- the MXFP4 default now: for MXFP4 more programs beat a deeper ring.  ``"tiles_first": True`` (opt-in) swaps
 the grid's axes so the programs running together take consecutive row tiles of a few experts instead of one
 row tile of every expert (up to ~100 at T=16, 8 MiB apart): no gain (tenth session: 449.2 vs 454.6 us
 NVFP4, 411.4 vs 406.9 MXFP4 at T=16).  ``"tpp": N`` (opt-in) gives each program N row tiles one after the

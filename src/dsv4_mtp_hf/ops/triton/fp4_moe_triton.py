@@ -296,12 +296,16 @@ CONFIG = {
     # measured), so it kept 168.  Tenth session (2026-12-02, same runs): MXFP4 at 128 registers (4 programs per SM, the
     # limit of its 57 KB ring) 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 at 168, and the staged loop at T=3
     # 94.2-94.4 against the stream's 109.6-110.3 (two runs; 94.7 vs 105.8 in the ninth), so MXFP4 takes it from T=3
-    # with maxnreg 128 (T=4: 117.4 vs 117.1, equal).  Needs a finite swiglu_limit (else these T take the other paths).
+    # with maxnreg 128 (T=4: 117.4 vs 117.1, equal).  Then 2 stages (one 28 KB buffer) at 72 registers, 7 programs
+    # per SM: 380.5 / 386.5 us at T=16 and 207.5 / 210.6 at T=8 against 408.5 / 408.0 and 215.4 / 215.7 (two runs),
+    # 118.6 vs 118.3 at T=4, 98.1 vs 95.1 at T=3 (the stream: ~110): the MXFP4 default now.  NVFP4 with 2 stages
+    # at 80 registers: 435.5 vs 443.6 at T=16 but 140.4 vs 125.1 at T=4, so it keeps 3 stages.
+    # Needs a finite swiglu_limit (else these T take the other paths).
     # Each of these routing keys may be one value or a dict by format name.
     "hmma_min_tokens": {"nvfp4": 4, "mxfp4": 3},
     "hmma_max_tokens": 16,
     "hmma": {"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
-             "mxfp4": dict(prefetch=0, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4))},
+             "mxfp4": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4))},
     # From "stream_min_tokens" to "stream_max_tokens" tokens (checked first) the gate/up and down
     # kernels are the FMA GEMV kernels fed by a shared-memory ring of asynchronous copies
     # (``fp4_moe_stream``; exact like ``fp4_moe_gemv``); "stream" overrides its STREAM_CONFIG.
