@@ -357,6 +357,9 @@ SWEEP = {
     "pre10": dict(stream_max_tokens=3, hmma_min_tokens=4,  # the ninth session's (MXFP4 at 168 registers from T=4)
                   hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
                         "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))}),
+    # the tenth session's first routing (MXFP4: 3 stages at 128 registers)
+    "pre11": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
+                        "mxfp4": dict(prefetch=0, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4))}),
     "mma": dict(mma_max_tokens=64),
     "mma_gu": dict(mma_max_tokens=64, only="gate_up"),
     "mma_dn": dict(mma_max_tokens=64, only="down"),

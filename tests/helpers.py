@@ -185,3 +185,12 @@ def run_under_triton_interpreter(script: str, timeout: int = 600) -> None:
         pytest.skip("Triton not importable for the interpreter")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("OK"), res.stdout
+
+
+def load_benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,17 +1,12 @@
 """``benchmarks/demo_rounding_agreement.py`` (bf16 vs fp32 MTP drafts on the trained demo pair) on a few windows."""
 
-import importlib.util
 import re
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parent.parent / "benchmarks" / "demo_rounding_agreement.py"
+from .helpers import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("demo_rounding_agreement", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("demo_rounding_agreement")
 
 
 def test_demo_rounding_agreement_on_held_out_text(capsys):

@@ -1,19 +1,14 @@
 """``benchmarks/rounding_stages.py`` (bf16 vs fp32 reference, stage by stage) on the small shapes."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parent.parent / "benchmarks" / "rounding_stages.py"
+from .helpers import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("rounding_stages", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("rounding_stages")
 
 
 def test_rounding_stages_tiny_cpu(capsys):
