@@ -97,9 +97,9 @@ no spills in the sm_90 SASS): 122.4 / 233.2 / 453.8 us at T=4 / 8 / 16 against 1
 168 (one run) -- the NVFP4 default now; MXFP4 (57 KB of ring, 4 programs by shared memory) showed no gain
 at T=4; tenth session: at 128 registers MXFP4 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 (4 programs
 per SM, the limit of its 57 KB ring), and with 2 stages (one 28 KB buffer) at 72 registers (7 programs)
-207.5-210.6 / 380.5-386.5 -- the MXFP4 default now: for MXFP4 more programs beat a deeper ring.  ``"tiles_first": True`` (opt-in) swaps
-the grid's axes so the programs running together take consecutive row tiles of a few experts instead of one
-row tile of every expert (up to ~100 at T=16, 8 MiB apart): no gain (tenth session: 449.2 vs 454.6 us
+207.5-210.6 / 380.5-386.5 -- the MXFP4 default now: for MXFP4 more programs beat a deeper ring.
+``"tiles_first": True`` (opt-in) swaps the grid's axes so the programs running together take consecutive
+row tiles of a few experts instead of one row tile of every expert (up to ~100 at T=16, 8 MiB apart): no gain (tenth session: 449.2 vs 454.6 us
 NVFP4, 411.4 vs 406.9 MXFP4 at T=16).  ``"tpp": N`` (opt-in) gives each program N row tiles one after the
 other, ``"flatten": True`` as one loop (Triton's loop flattening: the ring runs on across the tiles, each
 tile's epilogue inside it): no gain either (tenth session, T=16: 437.1 / 409.7 us with 2 flattened tiles
@@ -180,7 +180,8 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
         # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
         unroll = 1 if cfg["prefetch"] == 0 else 2
         tpp = int(cfg.get("tpp", 1))  # row tiles per program: whole ones
-        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and tpp >= 1 and n % (rows * (nw // ks) * tpp) == 0
+        ok = (ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and tpp >= 1
+              and n % (rows * (nw // ks) * tpp) == 0)
         if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
             ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
         if cfg.get("share"):  # one activation copy per program: staged, and every warp on the same K

@@ -293,13 +293,14 @@ CONFIG = {
     # 233.2 / 453.8 us at T=4 / 8 / 16 against 131.3 / 250.8 / 458.0 at 168 and the stream's 134.9 at T=4
     # (one run, same run), so NVFP4 now takes it from T=4 (T=5..7 unmeasured, between two wins; they took
     # the tl.dot kernels before).  MXFP4 at 128 / 96: 117.4 / 120.3 vs 117.4 at T=4 (T=8..16 not yet
-    # measured), so it kept 168.  Tenth session (2026-12-02, same runs): MXFP4 at 128 registers (4 programs per SM, the
-    # limit of its 57 KB ring) 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 at 168, and the staged loop at T=3
-    # 94.2-94.4 against the stream's 109.6-110.3 (two runs; 94.7 vs 105.8 in the ninth), so MXFP4 takes it from T=3
-    # with maxnreg 128 (T=4: 117.4 vs 117.1, equal).  Then 2 stages (one 28 KB buffer) at 72 registers, 7 programs
-    # per SM: 380.5 / 386.5 us at T=16 and 207.5 / 210.6 at T=8 against 408.5 / 408.0 and 215.4 / 215.7 (two runs),
-    # 118.6 vs 118.3 at T=4, 98.1 vs 95.1 at T=3 (the stream: ~110): the MXFP4 default now.  NVFP4 with 2 stages
-    # at 80 registers: 435.5 vs 443.6 at T=16 but 140.4 vs 125.1 at T=4, so it keeps 3 stages.
+    # measured), so it kept 168.  Tenth session (2026-12-02, same runs): MXFP4 at 128 registers (4 programs
+    # per SM, the limit of its 57 KB ring) 214.8 / 406.9 us at T=8 / 16 against 243.0 / 460.5 at 168, and the
+    # staged loop at T=3 94.2-94.4 against the stream's 109.6-110.3 (two runs; 94.7 vs 105.8 in the ninth), so
+    # MXFP4 takes it from T=3 with maxnreg 128 (T=4: 117.4 vs 117.1, equal).  Then 2 stages (one 28 KB buffer)
+    # at 72 registers, 7 programs per SM: 380.5 / 386.5 us at T=16 and 207.5 / 210.6 at T=8 against 408.5 /
+    # 408.0 and 215.4 / 215.7 (two runs), 118.6 vs 118.3 at T=4, 98.1 vs 95.1 at T=3 (the stream: ~110): the
+    # MXFP4 default now.  NVFP4 with 2 stages at 80 registers: 435.5 vs 443.6 at T=16 but 140.4 vs 125.1 at
+    # T=4, so it keeps 3 stages.
     # Needs a finite swiglu_limit (else these T take the other paths).
     # Each of these routing keys may be one value or a dict by format name.
     "hmma_min_tokens": {"nvfp4": 4, "mxfp4": 3},
