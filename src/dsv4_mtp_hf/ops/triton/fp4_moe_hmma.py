@@ -105,8 +105,8 @@ other, ``"flatten": True`` as one loop (Triton's loop flattening: the ring runs 
 tile's epilogue inside it): no gain either (tenth session, T=16: 437.1 / 409.7 us with 2 flattened tiles
 against 449.1 / 406.0, slower at T=4..8), so the programs' start and the ring's fill are not the cost.
 ``"probe": True``: the same grid, loads and ring with the words xor-ed instead of the math (a garbage
-result, timing only): at T=16 the loads alone take 1.3-1.4x a contiguous read of the same bytes (365 / 341
-us against 256) and the math adds ~90-130 us on top (BENCHMARKS.md, tenth session).
+result, timing only): at T=16 the loads alone take 1.2-1.4x a contiguous read of the same bytes (NVFP4 360-366,
+MXFP4 312-341 us, against 256) and the math adds ~90-130 us on top (BENCHMARKS.md, tenth session).
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
