@@ -8,7 +8,9 @@
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
 # op vs cuBLAS with a read-only L2 flush; ncu: Nsight Compute on the T=1 FP4 MoE kernels (pipes, stalls);
 # staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults and the
-# previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages.
+# previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages; probe: the staged loop's loads
+# alone against a contiguous read; tpp: several row tiles per program; stages2: 2 stages at lower register caps;
+# optests: the op's GPU tests (test_fp4_moe_op, test_mtp_moe, test_fp4_moe_stream).
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
 mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/tpp_nv" "$OUT/tpp_mx" "$OUT/stages2_mx" "$OUT/stages2_nv"
