@@ -124,8 +124,7 @@ def hmma_kernel_args(kern: str, D: int, I: int, nv: bool, cfg: dict, topk: int =
     wld, sld, xld = hm.load_asms(kern, K, I if gu else 8 * (nw // ks), nv, cfg)
     consts = dict(I=I, D=D, PB=pb, IS_NV=nv, NW=nw, KSPLIT=ks, NSUB=ns, PF=cfg["prefetch"], WLD=wld, SLD=sld, XLD=xld,
                   USE_ASM=True, STAGES=cfg.get("stages", 3), SHARE=bool(cfg.get("share", False)),
-                  TILES_FIRST=bool(cfg.get("tiles_first", False)), PROBE=bool(cfg.get("probe", False)),
-                  TPP=int(cfg.get("tpp", 1)), FLAT=bool(cfg.get("flatten", False)))
+                  TILES_FIRST=bool(cfg.get("tiles_first", False)), PROBE=bool(cfg.get("probe", False)))
     if gu:
         ptrs = {"xh_ptr": "*fp16", "xs_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                 "g_ptr": "*fp32", "act_ptr": "*fp16"}

@@ -2,18 +2,18 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, probe, tpp, stages2, optests, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, stages2, optests, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
 # op vs cuBLAS with a read-only L2 flush; ncu: Nsight Compute on the T=1 FP4 MoE kernels (pipes, stalls);
 # staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults and the
 # previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages; probe: the staged loop's loads
-# alone against a contiguous read; tpp: several row tiles per program; stages2: 2 stages at lower register caps;
+# alone against a contiguous read; stages2: 2 stages at lower register caps;
 # optests: the op's GPU tests (test_fp4_moe_op, test_mtp_moe, test_fp4_moe_stream).
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
-mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/tpp_nv" "$OUT/tpp_mx" "$OUT/stages2_mx" "$OUT/stages2_nv"
+mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/stages2_mx" "$OUT/stages2_nv"
 parts=${*:-tests draft batched moe}
 summary=()
 run() {  # name, command...
@@ -52,13 +52,6 @@ for part in $parts; do
     probe)   run probe python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --read-probe 4096,16384 --out "$OUT/probe" \
                --sweep hm_st_pr,hm_st_tf_pr,hm_st_n2_r96_pr,hm_st_n2_r96_tf_pr,st_probe ;;
-    # tpp: several row tiles per program (tN), in one flattened loop (tNf), on the routed staged configs, per format
-    tpp)     run tpp_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" --no-humming \
-               --flush rotate --iters 20 --out "$OUT/tpp_nv" \
-               --sweep hm_st_n2_r96_t2,hm_st_n2_r96_t2f,hm_st_n2_r96_t4,hm_st_n2_r96_t4f,hm_st_n2_r96_t8f
-             run tpp_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 4,8,16 --ref-ts "" --no-humming \
-               --flush rotate --iters 20 --out "$OUT/tpp_mx" \
-               --sweep hm_st_r128_t2,hm_st_r128_t2f,hm_st_r128_t4,hm_st_r128_t4f,hm_st_r128_t8f ;;
     # stages2: the staged loop with 2 stages (one buffer) and lower register caps: more programs per SM
     stages2) run stages2_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 3,4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --out "$OUT/stages2_mx" --sweep hm_st2_r128,hm_st2_r96,hm_st2_r80,hm_st2_r72
@@ -73,10 +66,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, tpp, stages2, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe tpp_nv tpp_mx stages2_mx stages2_nv attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"

@@ -5,12 +5,8 @@ import re
 from .helpers import load_benchmark
 
 
-def _load():
-    return load_benchmark("demo_rounding_agreement")
-
-
 def test_demo_rounding_agreement_on_held_out_text(capsys):
-    tool = _load()
+    tool = load_benchmark("demo_rounding_agreement")
     tool.main(["--rounds", "2", "--batch", "4", "--context", "48", "--seed", "7"])
     out = capsys.readouterr().out
     m = re.search(r"same greedy draft at (\d+)/(\d+) positions", out)
@@ -25,7 +21,7 @@ def test_demo_rounding_agreement_on_held_out_text(capsys):
 def test_windows_come_from_the_held_out_modules():
     import torch
 
-    tool = _load()
+    tool = load_benchmark("demo_rounding_agreement")
     streams = [torch.arange(10), torch.arange(100, 130)]
     w = tool.windows(streams, 6, 8, torch.Generator().manual_seed(0))
     assert w.shape == (6, 8)

@@ -272,9 +272,6 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         ("nvfp4", 5, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, share=True)),
         # ... with the grid walking an expert's row tiles first
         ("nvfp4", 9, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, tiles_first=True)),
-        # ... with several row tiles per program (flattened on the GPU; the interpreter runs the nest as written)
-        ("mxfp4", 9, 4, 1024, 512, dict(gate_up=dict(nsub=4), down=dict(nsub=4), prefetch=0, tpp=4, flatten=True)),
-        ("nvfp4", 3, 4, 512, 256, dict(gate_up=dict(nsub=2), down=dict(nsub=2), prefetch=0, tpp=2)),
     ]
     worst = 0.0
     for fmt, T, E, D, I, cfg in cases:
@@ -386,8 +383,8 @@ HM_CFGS = {
     "staged_w8k2": dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)),
     "staged_share": dict(prefetch=0, share=True, gate_up=dict(nsub=4), down=dict(nsub=4)),  # B copied once per program
     "staged_tiles_first": dict(prefetch=0, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)),  # grid order
-    # 4 row tiles per program in one flattened loop (the epilogue of each tile inside it)
-    "staged_tpp": dict(prefetch=0, tpp=4, flatten=True, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4)),
+    # the MXFP4 default: 2 stages (one buffer) at 72 registers (7 programs per SM)
+    "staged_s2_r72": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4)),
 }
 STAGED_NV_N2 = dict(prefetch=0, gate_up=dict(nsub=2), down=dict(nsub=2))  # NVFP4 only (MXFP4: an 8-byte scale window)
 
@@ -442,8 +439,8 @@ def test_hmma_matches_f64(fmt, shape, T):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", ["flash", "pro"])
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_share", "staged_tiles_first", "staged_tpp",
-                                 "staged_nv_n2"])
+@pytest.mark.parametrize("cfg", ["staged", "staged_s2", "staged_w8k2", "staged_share", "staged_tiles_first",
+                                 "staged_s2_r72", "staged_nv_n2"])
 def test_hmma_staged_matches_f64(fmt, shape, T, cfg):
     """The staged K loop at decode sizes: every y element written, against float64, and the same
     function as the register-prefetch loop (within rounding: both sum in fp32)."""

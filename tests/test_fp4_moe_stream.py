@@ -94,8 +94,8 @@ def test_stream_path_cuda_graph_replay(tma):
 
 @pytest.mark.parametrize("fmt,T,config,want", [
     ("nvfp4", 1, None, "stream"), ("nvfp4", 3, None, "stream"), ("mxfp4", 2, None, "stream"),  # the default ranges
-    ("mxfp4", 3, None, "hmma"), ("nvfp4", 4, None, "hmma"), ("nvfp4", 6, None, "hmma"), ("nvfp4", 16, None, "hmma"), ("mxfp4", 4, None, "hmma"),
-    ("mxfp4", 16, None, "hmma"), ("nvfp4", 17, None, "dot"), ("mxfp4", 17, None, "dot"),
+    ("mxfp4", 3, None, "hmma"), ("nvfp4", 4, None, "hmma"), ("nvfp4", 6, None, "hmma"), ("nvfp4", 16, None, "hmma"),
+    ("mxfp4", 4, None, "hmma"), ("mxfp4", 16, None, "hmma"), ("nvfp4", 17, None, "dot"), ("mxfp4", 17, None, "dot"),
     ("nvfp4", 1, dict(gemv_min_tokens=1, gemv_max_tokens=64), "gemv"),  # a caller's range wins over the default
     ("nvfp4", 2, dict(hgemv_min_tokens=1, hgemv_max_tokens=64), "hgemv"),
     ("nvfp4", 1, dict(stream_max_tokens=0), "dot"),

@@ -7,13 +7,9 @@ import pytest
 from .helpers import load_benchmark
 
 
-def _load():
-    return load_benchmark("rounding_stages")
-
-
 def test_rounding_stages_tiny_cpu(capsys):
     pytest.importorskip("transformers", minversion="5.17")
-    _load().main(["--tiny", "--batch", "4", "--context", "8"])
+    load_benchmark("rounding_stages").main(["--tiny", "--batch", "4", "--context", "8"])
     out = capsys.readouterr().out
     rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
             for m in re.finditer(r"^(\S+)\s+\([\d, ]+\)\s+\S+\s+(\S+)\s+(\S+)\s*$", out, re.M)}

@@ -100,10 +100,10 @@ per SM, the limit of its 57 KB ring), and with 2 stages (one 28 KB buffer) at 72
 207.5-210.6 / 380.5-386.5 -- the MXFP4 default now: for MXFP4 more programs beat a deeper ring.
 ``"tiles_first": True`` (opt-in) swaps the grid's axes so the programs running together take consecutive
 row tiles of a few experts instead of one row tile of every expert (up to ~100 at T=16, 8 MiB apart): no gain (tenth session: 449.2 vs 454.6 us
-NVFP4, 411.4 vs 406.9 MXFP4 at T=16).  ``"tpp": N`` (opt-in) gives each program N row tiles one after the
-other, ``"flatten": True`` as one loop (Triton's loop flattening: the ring runs on across the tiles, each
-tile's epilogue inside it): no gain either (tenth session, T=16: 437.1 / 409.7 us with 2 flattened tiles
-against 449.1 / 406.0, slower at T=4..8), so the programs' start and the ring's fill are not the cost.
+NVFP4, 411.4 vs 406.9 MXFP4 at T=16).  Several row tiles per program (one after the other, or in
+one loop flattened by Triton, the ring running on across the tiles): no gain either (tenth session, T=16:
+437.1 / 409.7 us with 2 flattened tiles against 449.1 / 406.0, slower at T=4..8; code not kept), so the
+programs' start and the ring's fill are not the cost.
 ``"probe": True``: the same grid, loads and ring with the words xor-ed instead of the math (a garbage
 result, timing only): at T=16 the loads alone take 1.2-1.4x a contiguous read of the same bytes (NVFP4 360-366,
 MXFP4 312-341 us, against 256) and the math adds ~90-130 us on top (BENCHMARKS.md, tenth session).
@@ -179,9 +179,7 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
         nw, ks, ns = c["num_warps"], c["ksplit"], c["nsub"]
         # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
         unroll = 1 if cfg["prefetch"] == 0 else 2
-        tpp = int(cfg.get("tpp", 1))  # row tiles per program: whole ones
-        ok = (ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and tpp >= 1
-              and n % (rows * (nw // ks) * tpp) == 0)
+        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
         if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
             ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
         if cfg.get("share"):  # one activation copy per program: staged, and every warp on the same K
@@ -668,7 +666,7 @@ def _gate_up_hmma_kernel(
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
     STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
-    PROBE: tl.constexpr = False, TPP: tl.constexpr = 1, FLAT: tl.constexpr = False,
+    PROBE: tl.constexpr = False,
 ):
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
@@ -680,36 +678,34 @@ def _gate_up_hmma_kernel(
         SR: tl.constexpr = D // (16 if IS_NV else 32)  # scale bytes per row
         wid, g, q = _lanes(NW)
         kl = (wid % KSPLIT) * 4 + q
+        n = pid_n * (8 * RG) + (wid // KSPLIT) * 8 + g
+        row = e * (2 * I) + n.to(tl.int64)
         # lane slot kl's K: chunks kl, kl + KL, ... (16 bytes each); its scales at kl (SB bytes each), or in the
         # staged loop the row's window (every lane slot's, from the row's start)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)
+        wa = w_ptr + row * HB + kl * 16
+        soff = row * SR + kl * SOFF
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
+        no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
         T = P // TOPK
         c0r = count * 0
         while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
-            # TPP row tiles per program, one after the other (FLAT: one flattened, pipelined loop over tiles and K)
-            for tt in tl.range(TPP, flatten=FLAT):
-                tile = pid_n * TPP + tt
-                n = tile * (8 * RG) + (wid // KSPLIT) * 8 + g
-                row = e * (2 * I) + n.to(tl.int64)
-                acc = _k_loop(w_ptr + row * HB + kl * 16, s_ptr, row * SR + kl * SOFF, kl, xh_ptr, brow * D + kl * 32,
-                              brow != T, D // (32 * KL * NSUB), I * HB, I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD,
-                              USE_ASM, STAGES, SHARE, PROBE)
-                no = tile * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
-                for h in tl.static_range(2):
-                    pair = _pair_of(pairs8, h)
-                    ok = c0r + h < count
-                    tok = pair // TOPK
-                    s_t = tl.load(xs_ptr + tok)
-                    undo = ((127 - s_t) << 23).to(tl.float32, bitcast=True)  # 2**-s, s in [-120, 120]
-                    gv = tl.minimum(_rows_sum(acc[h], RG, KSPLIT) * undo * gg, LIMIT)
-                    uv = _rows_sum(acc[2 + h], RG, KSPLIT) * undo * gu
-                    uv = tl.minimum(tl.maximum(uv, -LIMIT), LIMIT)
-                    a = gv / (1.0 + tl.exp(-gv)) * uv * ASCALE  # 2**SA
-                    tl.store(act_ptr + pair.to(tl.int64) * I + _pair_pos(no), a.to(tl.float16), mask=ok)
+            acc = _k_loop(wa, s_ptr, soff, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB,
+                          I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE, PROBE)
+            for h in tl.static_range(2):
+                pair = _pair_of(pairs8, h)
+                ok = c0r + h < count
+                tok = pair // TOPK
+                s_t = tl.load(xs_ptr + tok)
+                undo = ((127 - s_t) << 23).to(tl.float32, bitcast=True)  # 2**-s, s in [-120, 120]
+                gv = tl.minimum(_rows_sum(acc[h], RG, KSPLIT) * undo * gg, LIMIT)
+                uv = _rows_sum(acc[2 + h], RG, KSPLIT) * undo * gu
+                uv = tl.minimum(tl.maximum(uv, -LIMIT), LIMIT)
+                a = gv / (1.0 + tl.exp(-gv)) * uv * ASCALE  # 2**SA
+                tl.store(act_ptr + pair.to(tl.int64) * I + _pair_pos(no), a.to(tl.float16), mask=ok)
             c0r += 2
 
 
@@ -720,7 +716,6 @@ def _down_hmma_kernel(
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
     SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False, PROBE: tl.constexpr = False,
-    TPP: tl.constexpr = 1, FLAT: tl.constexpr = False,
 ):
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
@@ -732,27 +727,27 @@ def _down_hmma_kernel(
         SR: tl.constexpr = I // (16 if IS_NV else 32)
         wid, g, q = _lanes(NW)
         kl = (wid % KSPLIT) * 4 + q
+        r1 = pid_n * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
+        row = e * D + r1.to(tl.int64)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)  # as in the gate/up kernel
+        wa = w_ptr + row * HB + kl * 16
+        soff = row * SR + kl * SOFF
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
+        ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
             brow = _b_row(pairs8, g, c0r, count, P, q, 1)
-            for tt in tl.range(TPP, flatten=FLAT):  # as in the gate/up kernel
-                tile = pid_n * TPP + tt
-                r1 = tile * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
-                row = e * D + r1.to(tl.int64)
-                acc = _k_loop(w_ptr + row * HB + kl * 16, s_ptr, row * SR + kl * SOFF, kl, act_ptr, brow * I + kl * 32,
-                              brow != P, I // (32 * KL * NSUB), 8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD,
-                              SLD, XLD, USE_ASM, STAGES, SHARE, PROBE)
-                ro = tile * (16 * RG) + tl.arange(0, 8 * RG)
-                for h in tl.static_range(2):
-                    pair = _pair_of(pairs8, h)
-                    ok = c0r + h < count
-                    f = tl.load(rw_ptr + pair, mask=ok, other=0.0) * gw  # routing weight after w2 (fp32)
-                    dst = y_ptr + pair.to(tl.int64) * D + ro
-                    tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
-                    tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
+            acc = _k_loop(wa, s_ptr, soff, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB),
+                          8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE,
+                          PROBE)
+            for h in tl.static_range(2):
+                pair = _pair_of(pairs8, h)
+                ok = c0r + h < count
+                f = tl.load(rw_ptr + pair, mask=ok, other=0.0) * gw  # routing weight after w2 (fp32)
+                dst = y_ptr + pair.to(tl.int64) * D + ro
+                tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
+                tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
             c0r += 2
 
 
@@ -794,15 +789,8 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     if probe and pf != 0:
         raise ValueError("hmma probe: the staged loop only (prefetch 0).")
 
-    # "tpp": row tiles per program, one after the other (fewer, longer programs: the expert lookup and the ring's
-    # fill paid once per TPP tiles); "flatten": Triton's loop flattening over those tiles and K (one pipelined loop)
-    tpp = int(cfg.get("tpp", 1))
-    flat = bool(cfg.get("flatten", False))
-
     def grid(pairs, tiles):
-        if tiles % tpp:
-            raise ValueError(f"hmma tpp={tpp} must divide the {tiles} row tiles.")
-        return (tiles // tpp, pairs) if tf else (pairs, tiles // tpp)
+        return (tiles, pairs) if tf else (pairs, tiles)
 
     if pf == 0 and stages < 1:
         raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
@@ -817,7 +805,7 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
             WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
-            TPP=tpp, FLAT=flat, num_warps=nw, num_stages=1, **regs,
+            num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
@@ -826,5 +814,5 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
             WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
-            TPP=tpp, FLAT=flat, num_warps=nw, num_stages=1, **regs,
+            num_warps=nw, num_stages=1, **regs,
         )
