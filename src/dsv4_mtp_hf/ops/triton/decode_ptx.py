@@ -105,9 +105,12 @@ fma.rn.bf16x2 r3, r3, c126, nz;
 # shift, brings K0's magnitude, which t wrapped to bits 31..29, into byte 0).  Each byte is
 # then an fp16 high byte; a rotation by 0/8 (Zo) or 4/12 (Ze) moves two of them into the
 # high bytes of the two lanes and the mask clears the rest.  Lanes (low, high):
-#   Zo & M = (K3, K7)   rotl(Zo, 8) & M = (K1, K5)   rotl(Ze, 4) & M = (K2, K6)   rotl(Ze, 12) & M = (K0, K4)
-# i.e. 1 rotate + 2 lop3 per word, and 1 and (+1 rotate) per pair: 10 integer instructions and
-# 4 fma.rn.f16x2 per 8 weights (Marlin's chained decode, shift q by 4 between pairs, is 15).
+#   Zo & M = (K3, K7)   (Zo << 8) & M = (K1, K5)   (Ze << 4) & M = (K2, K6)   rotl(Ze, 12) & M = (K0, K4)
+# i.e. 1 rotate + 2 lop3 per word, and 1 and (+1 shift or rotate) per pair: 10 integer instructions and
+# 4 fma.rn.f16x2 per 8 weights (Marlin's chained decode, shift q by 4 between pairs, is 15).  Only K0's
+# magnitude wraps around the word (Ze bits 31..29); for K1 / K2 the mask drops what a rotation would bring
+# round, so those two are plain shifts, which ptxas issues as IMAD.SHL on the FMA pipe instead of SHF on the
+# integer ALU pipe (the fp16 MMA loops of ``fp4_moe_hmma`` are bound by that pipe: ncu at T=16, 73% busy).
 HG_MASK = 0x8E008E00
 HG_WORD = """
 shf.r.wrap.b32 t, {q}, {q}, 3;
@@ -115,10 +118,10 @@ lop3.b32 zo, {q}, t, 0x80808080, 0xE4;
 lop3.b32 ze, {q}, t, 0x08080808, 0xE4;
 and.b32 p, zo, 0x8E008E00;
 {fma37}
-shf.l.wrap.b32 p, zo, zo, 8;
+shl.b32 p, zo, 8;
 and.b32 p, p, 0x8E008E00;
 fma.rn.f16x2 {acc}, p, {x15}, {acc};
-shf.l.wrap.b32 p, ze, ze, 4;
+shl.b32 p, ze, 4;
 and.b32 p, p, 0x8E008E00;
 fma.rn.f16x2 {acc}, p, {x26}, {acc};
 shf.l.wrap.b32 p, ze, ze, 12;
@@ -194,9 +197,9 @@ shf.r.wrap.b32 {t}, {q}, {q}, 3;
 lop3.b32 {zo}, {q}, {t}, 0x80808080, 0xE4;
 lop3.b32 {ze}, {q}, {t}, 0x08080808, 0xE4;
 and.b32 {p37}, {zo}, 0x8E008E00;
-shf.l.wrap.b32 {p15}, {zo}, {zo}, 8;
+shl.b32 {p15}, {zo}, 8;
 and.b32 {p15}, {p15}, 0x8E008E00;
-shf.l.wrap.b32 {p26}, {ze}, {ze}, 4;
+shl.b32 {p26}, {ze}, 4;
 and.b32 {p26}, {p26}, 0x8E008E00;
 shf.l.wrap.b32 {p04}, {ze}, {ze}, 12;
 and.b32 {p04}, {p04}, 0x8E008E00;

@@ -107,6 +107,11 @@ programs' start and the ring's fill are not the cost.
 ``"probe": True``: the same grid, loads and ring with the words xor-ed instead of the math (a garbage
 result, timing only): at T=16 the loads alone take 1.2-1.4x a contiguous read of the same bytes (NVFP4 360-366,
 MXFP4 312-341 us, against 256) and the math adds ~90-130 us on top (BENCHMARKS.md, tenth session).
+Eleventh session: that math is bound by the integer ALU pipe (ncu at T=16, routed forms: 62-74% busy, half the
+scheduler's issue rate, while the FMA pipe idles at 4-6%; the top stall is that pipe's throttle), and more
+programs per SM gain nothing.  So the B operands' zeroing (``_to_lanes``) is an IMAD by the lane's 0 / 1 instead of
+a SEL per word, and two of the decode's shifts are IMAD.SHL (``decode_ptx.HG_DECODE``): 424 -> 295 ALU instructions
+per MXFP4 iteration, -7 to -10% at T=4..16 (MXFP4), -2 to -5% (NVFP4), same results bit for bit.
 
 ``USE_ASM=False`` (the CPU interpreter): the same loads, lane roles and pointers in plain Triton,
 the MMA emulated across the warp's lanes (zero B columns included), the decode by value; in the
@@ -439,14 +444,21 @@ def _split4(t):
 
 
 @triton.jit
-def _to_lanes(v):
+def _to_lanes(v, USE_ASM: tl.constexpr):
     """A chunk's B-operand words per column, broadcast to every lane (``v [NW, 8, 4, 16]``) -> the lanes'
     words: lane (g, q) keeps column g's if it is that column's feeder (q == g // 2), else zeros (as the zero
-    row); as 16 [NT] tensors in ``_chunk``'s order."""
+    row); as 16 [NT] tensors in ``_chunk``'s order.  On the GPU the zeroing is an integer multiply by the
+    lane's 0 / 1 (IMAD, on the FMA pipe), not a select: the K loop is bound by the integer ALU pipe (ncu,
+    T=16: 73% busy, the decode's and the selects' LOP3 / SHF / SEL), which the multiply leaves alone."""
     NW: tl.constexpr = v.shape[0]
     g = tl.arange(0, 8)[None, :, None, None]
     q = tl.arange(0, 4)[None, None, :, None]
-    lanes = tl.where(q == g // 2, v, 0)
+    if USE_ASM:
+        keep = tl.broadcast_to((q == g // 2).to(tl.int32), v.shape)
+        lanes = tl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [v, keep], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        lanes = tl.where(q == g // 2, v, 0)
     # [NT, 16] -> four [NT, 4] groups of words (word 4 (2 hi + lo) + i at [:, i, hi, lo])
     lo0, lo1 = tl.split(tl.permute(tl.reshape(lanes, (32 * NW, 2, 2, 4)), (0, 3, 1, 2)))
     g0, g2 = tl.split(lo0)
@@ -455,21 +467,22 @@ def _to_lanes(v):
 
 
 @triton.jit
-def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr):
+def _feeder_chunk(p8, f8, o: tl.constexpr, NW: tl.constexpr, USE_ASM: tl.constexpr):
     """One chunk's 16 int32 words of B operands at ``p8 [NW, 8] + o`` (B column j's feeder's pointer),
     copied once per column (masked by ``f8``), not once per lane, and handed to the lanes (``_to_lanes``)."""
     v = tl.load(p8[:, :, None] + (o + tl.arange(0, 16))[None, None, :], mask=f8[:, :, None], other=0)  # [NW, 8, 16]
-    return _to_lanes(tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16)))
+    return _to_lanes(tl.broadcast_to(v[:, :, None, :], (NW, 8, 4, 16)), USE_ASM)
 
 
 @triton.jit
-def _shared_chunk(v, NW: tl.constexpr):
+def _shared_chunk(v, NW: tl.constexpr, USE_ASM: tl.constexpr):
     """One chunk's [8, 16] words of a per-program copy (SHARE), read by every warp."""
-    return _to_lanes(tl.broadcast_to(v[None, :, None, :], (NW, 8, 4, 16)))
+    return _to_lanes(tl.broadcast_to(v[None, :, None, :], (NW, 8, 4, 16)), USE_ASM)
 
 
 @triton.jit
-def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr, SHARE: tl.constexpr):
+def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr, SHARE: tl.constexpr,
+                  USE_ASM: tl.constexpr):
     """The staged loop's B operands: per chunk (NSUB of them, CS chunks apart) 16 words, one copy per B column
     and warp (``p8`` / ``f8`` [NW, 8]), or with SHARE one per column and program (``p8`` / ``f8`` [8]: K split 1,
     every warp takes the same K)."""
@@ -479,19 +492,20 @@ def _ld_x_feeders(p8, f8, NSUB: tl.constexpr, NW: tl.constexpr, CS: tl.constexpr
         v = tl.permute(tl.load(p8[:, None, None] + c, mask=f8[:, None, None], other=0), (0, 2, 1))  # [8, 16, NSUB]
         if NSUB == 2:
             v0, v1 = tl.split(v)
-            return _shared_chunk(v0, NW) + _shared_chunk(v1, NW)
+            return _shared_chunk(v0, NW, USE_ASM) + _shared_chunk(v1, NW, USE_ASM)
         else:
             tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
             ev, od = tl.split(tl.reshape(v, (8, 16, 2, 2)))  # chunks (0, 2), (1, 3)
             v0, v2 = tl.split(ev)
             v1, v3 = tl.split(od)
-            return _shared_chunk(v0, NW) + _shared_chunk(v1, NW) + _shared_chunk(v2, NW) + _shared_chunk(v3, NW)
+            return (_shared_chunk(v0, NW, USE_ASM) + _shared_chunk(v1, NW, USE_ASM) + _shared_chunk(v2, NW, USE_ASM)
+                    + _shared_chunk(v3, NW, USE_ASM))
     elif NSUB == 2:
-        return _feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW)
+        return _feeder_chunk(p8, f8, 0, NW, USE_ASM) + _feeder_chunk(p8, f8, S, NW, USE_ASM)
     else:
         tl.static_assert(NSUB == 4, "the staged loop takes nsub 2 or 4")
-        return (_feeder_chunk(p8, f8, 0, NW) + _feeder_chunk(p8, f8, S, NW) + _feeder_chunk(p8, f8, 2 * S, NW)
-                + _feeder_chunk(p8, f8, 3 * S, NW))
+        return (_feeder_chunk(p8, f8, 0, NW, USE_ASM) + _feeder_chunk(p8, f8, S, NW, USE_ASM)
+                + _feeder_chunk(p8, f8, 2 * S, NW, USE_ASM) + _feeder_chunk(p8, f8, 3 * S, NW, USE_ASM))
 
 
 @triton.jit
@@ -576,7 +590,7 @@ def _k_loop(wa, s_ptr, soff, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.con
         for it in tl.range(NIT, num_stages=STAGES):
             s = _ld_s_window(sa32 + it * (SB * KL * NSUB // 4), kl, SROWB, NSUB, KL, IS_NV)
             w = _ld_w_words(wa32 + it * (4 * KL * NSUB), ROWB, NSUB, KL)
-            x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL, SHARE)
+            x = _ld_x_feeders(p8 + it * (16 * KL * NSUB), f8, NSUB, NW, KL, SHARE, USE_ASM)
             if PROBE:
                 v = s[0]
                 for i in tl.static_range(1, len(s)):
