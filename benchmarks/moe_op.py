@@ -480,10 +480,14 @@ SWEEP = {
            # rN = ptxas register cap N (the default 168 leaves 3 programs per SM: ncu, T=16, ninth session)
            *((f"hm_st{tag}_r{r}", dict(prefetch=0, maxnreg=r, gate_up=dict(nsub=ns), down=dict(nsub=ns), **extra), None)
              for r in (128, 96, 80) for tag, ns, extra in (("", 4, {}), ("_sx", 4, {"share": True}), ("_n2", 2, {}))),
-           # st2_rN: 2 stages (one 28 KB buffer for MXFP4, 16 KB NVFP4 nsub 2: 7+ programs per SM by shared memory) at
-           # register cap N (MXFP4 96 / 80 / 72: 5 / 6 / 7 programs by registers; no spills in the sm_90 build)
-           *((f"hm_st2{tag}_r{r}", dict(prefetch=0, stages=2, maxnreg=r, gate_up=dict(nsub=ns), down=dict(nsub=ns)), None)
-             for tag, ns, regs in (("", 4, (128, 96, 80, 72)), ("_n2", 2, (80,))) for r in regs),
+           # st2_rN: 2 stages (one 28 KB buffer for MXFP4, 16 KB NVFP4 nsub 2, 22 KB MXFP4 with share: 7 / 13 / 9
+           # programs per SM by shared memory) at register cap N (72 / 64 / 56 / 48: 7 / 8 / 9 / 10 programs by registers;
+           # the sm_90 build spills nothing at 72 and only outside the K loop below it); _pr = probe (see below)
+           *((f"hm_st2{tag}_r{r}{pt}", dict(prefetch=0, stages=2, maxnreg=r, gate_up=dict(nsub=ns), down=dict(nsub=ns),
+                                            **extra, **({"probe": True} if pt else {})), None)
+             for tag, ns, extra, regs in (("", 4, {}, (128, 96, 80, 72)), ("_n2", 2, {}, (80, 72, 64, 56, 48)),
+                                          ("_sx", 4, {"share": True}, (72, 64, 56, 48)))
+             for r in regs for pt in ("", "_pr")),
            # tf = "tiles_first" (the grid walks one expert's row tiles first); s4 = 4 stages
            ("hm_st_tf", dict(prefetch=0, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),
            ("hm_st_r128_tf", dict(prefetch=0, maxnreg=128, tiles_first=True, gate_up=dict(nsub=4), down=dict(nsub=4)), None),

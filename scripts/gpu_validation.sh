@@ -2,18 +2,18 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, probe, stages2, optests, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, stages2, occ, ncu16, optests, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
 # op vs cuBLAS with a read-only L2 flush; ncu: Nsight Compute on the T=1 FP4 MoE kernels (pipes, stalls);
 # staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults and the
 # previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages; probe: the staged loop's loads
-# alone against a contiguous read; stages2: 2 stages at lower register caps;
+# alone against a contiguous read; stages2: 2 stages at lower register caps; occ: down to 48 registers;
 # optests: the op's GPU tests (test_fp4_moe_op, test_mtp_moe, test_fp4_moe_stream).
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
-mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/stages2_mx" "$OUT/stages2_nv"
+mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/stages2_mx" "$OUT/stages2_nv" "$OUT/occ_mx" "$OUT/occ_nv"
 parts=${*:-tests draft batched moe}
 summary=()
 run() {  # name, command...
@@ -57,6 +57,20 @@ for part in $parts; do
                --no-humming --flush rotate --iters 20 --out "$OUT/stages2_mx" --sweep hm_st2_r128,hm_st2_r96,hm_st2_r80,hm_st2_r72
              run stages2_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --out "$OUT/stages2_nv" --sweep hm_st2_n2_r80 ;;
+    # occ: more programs per SM than the routing's (2 stages; register caps 72..48; MXFP4 with one B copy per
+    # program, "share", for a 22 KB buffer), and the loads alone (_pr) of the routed forms and of the denser ones
+    occ)     run occ_mx python3 benchmarks/moe_op.py --fmts mxfp4 --sweep-fmts mxfp4 --ts 3,4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --out "$OUT/occ_mx" \
+               --sweep hm_st2_sx_r72,hm_st2_sx_r64,hm_st2_sx_r56,hm_st2_sx_r48,hm_st2_r72_pr@8+16,hm_st2_sx_r56_pr@8+16
+             run occ_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" \
+               --no-humming --flush rotate --iters 20 --out "$OUT/occ_nv" \
+               --sweep hm_st2_n2_r72,hm_st2_n2_r64,hm_st2_n2_r56,hm_st2_n2_r48,hm_st_n2_r96_pr@8+16,hm_st2_n2_r56_pr@8+16 ;;
+    # ncu16: Nsight Compute on the routed staged kernels at T=16 (both formats): occupancy, stall reasons, DRAM
+    #         (at the boost clock: without --clock-control none ncu locks the SMs at 1.33 GHz), pipes and stall reasons
+    ncu16)   for f in mxfp4 nvfp4; do run ncu16_$f ncu --clock-control none --kernel-name regex:hmma --section SpeedOfLight \
+               --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
+               python3 benchmarks/moe_ncu.py --t 16 --fmt $f --variants ""; done ;;
     optests) run optests python3 -m pytest tests/test_fp4_moe_op.py tests/test_mtp_moe.py tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider ;;
     rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
@@ -66,10 +80,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, occ, ncu16, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv occ_mx occ_nv ncu16_mxfp4 ncu16_nvfp4 attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"
