@@ -65,8 +65,8 @@ for part in $parts; do
              run occ_nv python3 benchmarks/moe_op.py --fmts nvfp4 --sweep-fmts nvfp4 --ts 4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --out "$OUT/occ_nv" \
                --sweep hm_st2_n2_r72,hm_st2_n2_r64,hm_st2_n2_r56,hm_st2_n2_r48,hm_st_n2_r96_pr@8+16,hm_st2_n2_r56_pr@8+16 ;;
-    # ncu16: Nsight Compute on the routed staged kernels at T=16 (both formats): occupancy, stall reasons, DRAM
-    #         (at the boost clock: without --clock-control none ncu locks the SMs at 1.33 GHz), pipes and stall reasons
+    # ncu16: Nsight Compute on the routed staged kernels at T=16 (both formats): occupancy, DRAM, pipes, stall reasons,
+    #        at the boost clock (without --clock-control none ncu locks the SMs at 1.33 GHz)
     ncu16)   for f in mxfp4 nvfp4; do run ncu16_$f ncu --clock-control none --kernel-name regex:hmma --section SpeedOfLight \
                --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \

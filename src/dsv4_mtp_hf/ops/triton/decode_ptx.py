@@ -101,9 +101,9 @@ fma.rn.bf16x2 r3, r3, c126, nz;
 # One int32 word q holds codes K0..K7 (byte j: K2j in the low nibble, K2j+1 in the high).
 # With t = rotr(q, 3), select(C, q, t) = (q & C) | (t & ~C) puts, in every byte, a code's sign
 # at bit 7 (from q) and its magnitude at bits 3..1 (from t): C = 0x80808080 does that for the
-# high nibbles (Zo), C = 0x08080808 (then rotl 4) for the low nibbles (Ze; the rotation, not a
+# high nibbles (Zo), C = 0x08080808 (then << 4 / rotl 12) for the low nibbles (Ze; the rotation, not a
 # shift, brings K0's magnitude, which t wrapped to bits 31..29, into byte 0).  Each byte is
-# then an fp16 high byte; a rotation by 0/8 (Zo) or 4/12 (Ze) moves two of them into the
+# then an fp16 high byte; a shift by 0/8 (Zo) or 4, a rotation by 12 (Ze) moves two of them into the
 # high bytes of the two lanes and the mask clears the rest.  Lanes (low, high):
 #   Zo & M = (K3, K7)   (Zo << 8) & M = (K1, K5)   (Ze << 4) & M = (K2, K6)   rotl(Ze, 12) & M = (K0, K4)
 # i.e. 1 rotate + 2 lop3 per word, and 1 and (+1 shift or rotate) per pair: 10 integer instructions and
