@@ -357,6 +357,9 @@ SWEEP = {
     "pre10": dict(stream_max_tokens=3, hmma_min_tokens=4,  # the ninth session's (MXFP4 at 168 registers from T=4)
                   hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
                         "mxfp4": dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4))}),
+    # the eleventh session's routing (the stream to T=3 NVFP4 / T=2 MXFP4, its down kernel without a register cap)
+    "pre12": dict(stream_max_tokens={"nvfp4": 3, "mxfp4": 2}, hmma_min_tokens={"nvfp4": 4, "mxfp4": 3},
+                  stream=dict(down=dict(maxnreg=None))),
     # the tenth session's first routing (MXFP4: 3 stages at 128 registers)
     "pre11": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
                         "mxfp4": dict(prefetch=0, maxnreg=128, gate_up=dict(nsub=4), down=dict(nsub=4))}),
@@ -447,6 +450,10 @@ SWEEP = {
            ("st_dk256", dict(down=dict(BLOCK_K=256, STAGES=4)), None), ("st_gs4", dict(gate_up=dict(STAGES=4)), None),
            ("st_dn16", dict(down=dict(BLOCK_N=16)), None),
            ("st_dn64", dict(down=dict(BLOCK_N=64)), None),  # down in one wave at T=1 (384 programs, not 768)
+           # drN = the down kernel capped at N registers (the default 80: one wave at T=1), dr0 = no cap (ptxas takes
+           # 95: 5 programs per SM, so the 768 programs at T=1 take 1.16 waves)
+           ("st_dr0", dict(down=dict(maxnreg=None)), None), ("st_dr72", dict(down=dict(maxnreg=72)), None),
+           ("st_dr0_dn", dict(down=dict(maxnreg=None)), "down"),
            # probes: the same grid, loads and pipeline without the FP4 math (result garbage, unchecked)
            ("st_probe", dict(probe=True), None), ("st_tma_probe", dict(tma=True, probe=True), None),
            ("st_gu_probe", dict(probe=True), "gate_up"), ("st_dn_probe", dict(probe=True), "down"))},

@@ -18,7 +18,7 @@ Numerics are those of ``fp4_moe_gemv`` (same decode, same per-group fp32 sums, s
 ``act * r`` between the two kernels).
 
 Status (H200, 2026-12-01, BENCHMARKS.md, routings rotated so every call reads its experts from
-HBM): the default at T=1..4, 42.3 / 72.7 / 133.4 us at T=1/2/4 (NVFP4; MXFP4 42.4 / 74.7 / 140.3)
+HBM): the default at T=1..2 NVFP4 and T=1 MXFP4 since 2026-12-02 (T=1..4 at first), 42.3 / 72.7 / 133.4 us at T=1/2/4 (NVFP4; MXFP4 42.4 / 74.7 / 140.3)
 against 47.5 / 84.4 / 156.4 for the previous defaults in the same run; slower than ``tl.dot`` at
 T=16.  Still 2.1x the bandwidth floor at T=1: the same kernels with the FP4 math replaced by an
 xor (``probe``) take 30 us, the arithmetic (4.55 SASS instructions per weight, gate/up) the rest.
@@ -47,10 +47,13 @@ from .pdl import launch_args, wait
 # weight tiles by bulk tensor copies (host-built descriptors) instead of per-thread cp.async
 # (measured ~1% faster at T=1..4, within the spread: off); "probe": the same loads and pipeline
 # without the FP4 math (a garbage result; ``benchmarks/moe_op.py`` st_*probe: what the kernels'
-# structure costs apart from their arithmetic).
+# structure costs apart from their arithmetic).  A kernel's "maxnreg" caps its registers per thread (None:
+# ptxas's choice).  The down kernel's 80: ptxas alone takes 95, which fits 5 programs per SM, so at T=1 its 768
+# programs ran in 1.16 waves (Nsight Compute); at 80 (no spills in the sm_90 build, tests/test_fp4_moe_stream.py)
+# 6 fit, one wave: 15.7 vs 16.4 us for the down kernel, 41.2 vs 42.2 for the op (NVFP4, T=1; MXFP4 42.4 vs 42.7).
 STREAM_CONFIG = {
-    "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4),
-    "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4),
+    "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=None),
+    "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=80),
     "tma": False,
 }
 
@@ -222,9 +225,10 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     gu, dn = cfg["gate_up"], cfg["down"]
     for c in (gu, dn):
         bk, bn = c["BLOCK_K"], c["BLOCK_N"]
-        if bk % group_size or bk < 64 or bk & (bk - 1) or bn & (bn - 1) or c["STAGES"] < 1:
+        if bk % group_size or bk < 64 or bk & (bk - 1) or bn & (bn - 1) or c["STAGES"] < 1 or \
+                (c.get("maxnreg") is not None and not 24 <= c["maxnreg"] <= 255):
             raise ValueError(f"stream config {c}: BLOCK_K a power of two >= 64 and a multiple of {group_size}, "
-                             "BLOCK_N a power of two, STAGES >= 1.")
+                             "BLOCK_N a power of two, STAGES >= 1, maxnreg None or 24..255.")
     if not stream_supports(d, inter, cfg):
         raise ValueError(f"D={d} / I={inter} must be multiples of the stream blocks {gu} / {dn}.")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -236,17 +240,21 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     pb = max(16, triton.next_power_of_2(p))
     common = dict(PB=pb, G=group_size, IS_NV=is_nv, NPASS=p, TMA=tma, USE_ASM=bool(use_asm) and not interp,
                   FOLD=fold, PROBE=bool(cfg.get("probe", False)), **launch_args(x.device))
+
+    def regs(c):  # the interpreter takes no register cap
+        return {"maxnreg": int(c["maxnreg"])} if c.get("maxnreg") and not interp else {}
+
     if only in (None, "gate_up"):
         desc = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
         _gate_up_stream_kernel[(p, inter // gu["BLOCK_N"])](
             x.view(torch.int32), ids, rw, w13w, desc, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
             p, inter, d, TOPK=k, LIMIT=float(limit), BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], STAGES=gu["STAGES"],
-            num_warps=gu["num_warps"], **common,
+            num_warps=gu["num_warps"], **regs(gu), **common,
         )
     if only in (None, "down"):
         desc = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
         _down_stream_kernel[(p, d // dn["BLOCK_N"])](
             act.view(torch.int32), ids, w2w, desc, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
             p, inter, d, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], STAGES=dn["STAGES"],
-            num_warps=dn["num_warps"], **common,
+            num_warps=dn["num_warps"], **regs(dn), **common,
         )

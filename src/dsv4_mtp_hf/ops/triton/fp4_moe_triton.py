@@ -17,9 +17,9 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
-``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..3 NVFP4, T=1..2 MXFP4, where it
+``CONFIG["stream_min_tokens"] .. ["stream_max_tokens"]`` (default: T=1..2 NVFP4, T=1 MXFP4, where it
 measured faster, BENCHMARKS.md) routes steps 1-2 to the streamed FMA GEMV kernels of ``fp4_moe_stream``,
-``CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]`` (default: T=4..16 NVFP4, T=3..16 MXFP4) to the staged
+``CONFIG["hmma_min_tokens"] .. ["hmma_max_tokens"]`` (default: T=3..16 NVFP4, T=2..16 MXFP4) to the staged
 fp16 mma.sync loop of ``fp4_moe_hmma``; the other ``*_min_tokens`` /
 ``*_max_tokens`` ranges (off by default) to the opt-in variants ``fp4_moe_gemv`` and ``fp4_moe_hgemv``.
 Each range key (and the variant's config key) is one value or a dict by format name.
@@ -300,10 +300,13 @@ CONFIG = {
     # at 72 registers, 7 programs per SM: 380.5 / 386.5 us at T=16 and 207.5 / 210.6 at T=8 against 408.5 /
     # 408.0 and 215.4 / 215.7 (two runs), 118.6 vs 118.3 at T=4, 98.1 vs 95.1 at T=3 (the stream: ~110): the
     # MXFP4 default now.  NVFP4 with 2 stages at 80 registers: 435.5 vs 443.6 at T=16 but 140.4 vs 125.1 at
-    # T=4, so it keeps 3 stages.
+    # T=4, so it keeps 3 stages.  Twelfth session (2026-12-02, after the eleventh's cheaper loop; two runs each,
+    # rotated routings): NVFP4 at T=3 96.3 / 96.3 us against the stream's 101.7 / 102.9, MXFP4 at T=2 70.2 / 70.5
+    # against 74.8 / 72.7, so each format takes the staged loop one token earlier; NVFP4 at T=2 still loses
+    # (78.7-80.1 against 71.5), and both formats at T=1 (47.1 NVFP4, 47.3 MXFP4 against 42.2 / 42.6).
     # Needs a finite swiglu_limit (else these T take the other paths).
     # Each of these routing keys may be one value or a dict by format name.
-    "hmma_min_tokens": {"nvfp4": 4, "mxfp4": 3},
+    "hmma_min_tokens": {"nvfp4": 3, "mxfp4": 2},
     "hmma_max_tokens": 16,
     "hmma": {"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)),
              "mxfp4": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4))},
@@ -312,9 +315,9 @@ CONFIG = {
     # (``fp4_moe_stream``; exact like ``fp4_moe_gemv``); "stream" overrides its STREAM_CONFIG.
     # Measured on the H200 (BENCHMARKS.md, 2026-12-01, NVFP4, routings rotated): 42.3 / 73.9 / 136.9 us
     # at T = 1 / 2 / 4 against 48.0 / 84.7 / 156.7 for the previous defaults, slower at T=16.
-    # NVFP4 hands T=4 to the staged hmma loop (above), MXFP4 T=3.
+    # NVFP4 hands T=3 to the staged hmma loop (above), MXFP4 T=2.
     "stream_min_tokens": 1,
-    "stream_max_tokens": {"nvfp4": 3, "mxfp4": 2},
+    "stream_max_tokens": {"nvfp4": 2, "mxfp4": 1},
     "stream": None,
 }
 
