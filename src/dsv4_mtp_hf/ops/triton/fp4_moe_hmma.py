@@ -1,6 +1,7 @@
 """Small-batch path of ``dsv4_mtp::fp4_moe`` on CUDA (its staged loop, ``prefetch=0``, the default
 at T=4..16 since 2026-12-01 -- MXFP4 and NVFP4 T=8..16 since the eighth session, NVFP4 T=4..7 and its
-96-register cap since the ninth, MXFP4 T=3 with 2 stages and 72 registers since the tenth; see
+96-register cap since the ninth, MXFP4 T=3 with 2 stages and 72 registers since the tenth, NVFP4 T=3 and
+MXFP4 T=2 since the twelfth; see
 "prefetch=0" below): FP4 decoded straight to fp16 ``mma.sync`` operands, block scales applied in fp32 to the MMA
 results (exact products, fp32 accumulation): 1.81 (NVFP4) / 1.71 (MXFP4) SASS instructions per weight in
 the K loops.
