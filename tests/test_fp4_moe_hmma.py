@@ -21,7 +21,7 @@ import torch
 from dsv4_mtp_hf import fp4
 from dsv4_mtp_hf.ops.triton import decode_ptx, mma_ptx
 
-from .helpers import run_under_triton_interpreter
+from .helpers import SM90_BUILD_PREAMBLE, run_under_triton_interpreter
 from .test_fp4_moe_hgemv import _e2m1_f16, _f16_value, _f32_bits, _f32_value, _words, run_ptx
 from .test_fp4_moe_op import (LIMIT, SHAPES, _reference_f64_gpu, check_graph_replay, make_experts, make_inputs,
                               rel_err)
@@ -307,17 +307,8 @@ def test_hmma_kernels_under_the_cpu_interpreter():
 
 
 # ----------------------------------------------------------------------------- CPU: sm_90 build
-COMPILE_SCRIPT = textwrap.dedent("""
-    import os, re, sys
-    os.environ.pop("TRITON_INTERPRET", None)  # compile for real (decorators read it at import)
-    import dsv4_mtp_hf
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dsv4_mtp_hf.__file__))))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    import sass_count as sc
+COMPILE_SCRIPT = SM90_BUILD_PREAMBLE + textwrap.dedent("""
     from dsv4_mtp_hf.ops.triton import fp4_moe_hmma as hm
-    if not os.path.exists(os.path.join(sc.BIN, "ptxas")):
-        print("OK skipped: this Triton has no ptxas")
-        sys.exit(0)
     cfg = hm.hmma_config()
     for nv in (True, False):
         for kern in ("gate_up", "down"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import run_under_triton_interpreter
+from .helpers import SM90_BUILD_PREAMBLE, run_under_triton_interpreter
 from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, check_graph_replay, make_experts, make_inputs, rel_err
 
 INTERPRETER_SCRIPT = r"""
@@ -134,17 +134,8 @@ def test_variant_routing(monkeypatch, fmt, T, config, want):
 
 
 # ----------------------------------------------------------------------------- CPU: sm_90 build
-COMPILE_SCRIPT = r"""
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real (decorators read it at import)
-import dsv4_mtp_hf
-root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dsv4_mtp_hf.__file__))))
-sys.path.insert(0, os.path.join(root, "benchmarks"))
-import sass_count as sc
+COMPILE_SCRIPT = SM90_BUILD_PREAMBLE + r"""
 from dsv4_mtp_hf.ops.triton import fp4_moe_stream as st
-if not os.path.exists(os.path.join(sc.BIN, "ptxas")):
-    print("OK skipped: this Triton has no ptxas")
-    sys.exit(0)
 cfg = st.stream_config()
 for nv in (True, False):
     common = dict(I=2048, D=4096, PB=16, G=16 if nv else 32, IS_NV=nv, NPASS=6, TMA=False, USE_ASM=True, FOLD=nv,
