@@ -18,7 +18,8 @@ Numerics are those of ``fp4_moe_gemv`` (same decode, same per-group fp32 sums, s
 ``act * r`` between the two kernels).
 
 Status (H200, 2026-12-01, BENCHMARKS.md, routings rotated so every call reads its experts from
-HBM): the default at T=1..2 NVFP4 and T=1 MXFP4 since 2026-12-02 (T=1..4 at first), 42.3 / 72.7 / 133.4 us at T=1/2/4 (NVFP4; MXFP4 42.4 / 74.7 / 140.3)
+HBM): the default at T=1..2 NVFP4 and T=1 MXFP4 since 2026-12-02 (T=1..4 at first), 42.3 / 72.7 /
+133.4 us at T=1/2/4 (NVFP4; MXFP4 42.4 / 74.7 / 140.3)
 against 47.5 / 84.4 / 156.4 for the previous defaults in the same run; slower than ``tl.dot`` at
 T=16.  Still 2.1x the bandwidth floor at T=1: the same kernels with the FP4 math replaced by an
 xor (``probe``) take 30 us, the arithmetic (4.55 SASS instructions per weight, gate/up) the rest.
@@ -50,7 +51,8 @@ from .pdl import launch_args, wait
 # structure costs apart from their arithmetic).  A kernel's "maxnreg" caps its registers per thread (None:
 # ptxas's choice).  The down kernel's 80: ptxas alone takes 95, which fits 5 programs per SM, so at T=1 its 768
 # programs ran in 1.16 waves (Nsight Compute); at 80 (no spills in the sm_90 build, tests/test_fp4_moe_stream.py)
-# 6 fit, one wave: 15.7 vs 16.4 us for the down kernel, 41.2 vs 42.2 for the op (NVFP4, T=1; MXFP4 42.4 vs 42.7).
+# 6 fit, one wave: 15.7 vs 16.4-16.5 us for the down kernel, 41.2-41.3 vs 42.2-42.3 for the op (NVFP4, T=1, two
+# runs; MXFP4 within the spread).
 STREAM_CONFIG = {
     "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=None),
     "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=80),

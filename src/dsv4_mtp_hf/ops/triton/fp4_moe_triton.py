@@ -300,9 +300,9 @@ CONFIG = {
     # at 72 registers, 7 programs per SM: 380.5 / 386.5 us at T=16 and 207.5 / 210.6 at T=8 against 408.5 /
     # 408.0 and 215.4 / 215.7 (two runs), 118.6 vs 118.3 at T=4, 98.1 vs 95.1 at T=3 (the stream: ~110): the
     # MXFP4 default now.  NVFP4 with 2 stages at 80 registers: 435.5 vs 443.6 at T=16 but 140.4 vs 125.1 at
-    # T=4, so it keeps 3 stages.  Twelfth session (2026-12-02, after the eleventh's cheaper loop; two runs each,
-    # rotated routings): NVFP4 at T=3 96.3 / 96.3 us against the stream's 101.7 / 102.9, MXFP4 at T=2 70.2 / 70.5
-    # against 74.8 / 72.7, so each format takes the staged loop one token earlier; NVFP4 at T=2 still loses
+    # T=4, so it keeps 3 stages.  Twelfth session (2026-12-02, after the eleventh's cheaper loop; three runs,
+    # rotated routings): NVFP4 at T=3 95.2-96.3 us against the stream's 101.7-104.7, MXFP4 at T=2 70.2-70.5
+    # against 72.7-75.9, so each format takes the staged loop one token earlier; NVFP4 at T=2 still loses
     # (78.7-80.1 against 71.5), and both formats at T=1 (47.1 NVFP4, 47.3 MXFP4 against 42.2 / 42.6).
     # Needs a finite swiglu_limit (else these T take the other paths).
     # Each of these routing keys may be one value or a dict by format name.
