@@ -347,6 +347,9 @@ SWEEP = {
     # timing breakdown of the default configuration: one kernel alone (result not checked)
     "only_gu": dict(only="gate_up"),
     "only_dn": dict(only="down"),
+    # the default routing with the token sums in a separate kernel (before the thirteenth session), against the
+    # down kernels' ticket sums (the default now)
+    "sumk": dict(ticket_sum=False),
     # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
     "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0, hmma_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)

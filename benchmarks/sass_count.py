@@ -131,8 +131,8 @@ def hmma_kernel_args(kern: str, D: int, I: int, nv: bool, cfg: dict, topk: int =
         consts.update(TOPK=topk, LIMIT=10.0, ASCALE=512.0)
     else:
         ptrs = {"act_ptr": "*fp16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8",
-                "g_ptr": "*fp32", "y_ptr": "*fp32"}
-        consts.update(YSCALE=32.0)
+                "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"}
+        consts.update(YSCALE=32.0, TOPK=topk, TICKET=True)  # the token sums in the kernel, as launched by default
     nit = K // (32 * 4 * ks * ns)
     pf1 = cfg["prefetch"] == 1  # the K loop unrolled by two
     return (hm._gate_up_hmma_kernel if gu else hm._down_hmma_kernel, ptrs, consts, nw, (2 if pf1 else 1) * ns * 64,

@@ -288,8 +288,12 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         assert not y.isnan().any(), (seed, fmt, T)
         want = fp4_moe_reference(x.double(), ids, rw, *W, fmt, L)
         ey = rel(y.view(T, k, D).sum(1), want)
-        # through the op's routing (CONFIG keys): then the sum kernel and the bf16 output
+        # through the op's routing (CONFIG keys): the token sums in the down kernel (tickets) and the bf16
+        # output; the same bits as the separate sum kernel of y
         out = fp4_moe_triton(x, ids, rw, *W, fmt, L, config=dict(hmma_min_tokens=1, hmma_max_tokens=64, hmma=cfg))
+        out2 = fp4_moe_triton(x, ids, rw, *W, fmt, L, config=dict(hmma_min_tokens=1, hmma_max_tokens=64, hmma=cfg,
+                                                                  ticket_sum=False))
+        assert torch.equal(out, out2), (seed, fmt, T)
         eo = rel(out, want)
         assert ey < 2e-3 and eo < 1e-2, (seed, fmt, T, ey, eo)
         worst = max(worst, eo)
@@ -339,10 +343,15 @@ COMPILE_SCRIPT = SM90_BUILD_PREAMBLE + textwrap.dedent("""
             fn, ptrs, consts, nw, w_body, w_pass, nk = sc.hmma_kernel_args(kern, 4096, 2048, nv, cfg)
             k = sc.compile_kernel(fn, ptrs, consts, nw, cfg["maxnreg"])
             sass, use = sc.sass_of(k)
-            body, _ = sc.loop_counts(sass, "HMMA")
+            body, passes = sc.loop_counts(sass, "HMMA")
             body = [re.sub(r"^@!?U?P\\w+\\s+", "", t) for t in body]  # predicates off
             copies = [t for t in body if t.startswith("LDGSTS")]
-            assert use.get("LOCAL", 0) == 0 and use.get("STACK", 0) == 0 and use["REG"] <= cfg["maxnreg"], (kern, nv, use)
+            # no spills in the K loop; at most a few stack slots reloaded once per pass of 2 tokens (MXFP4's down
+            # kernel at 72 registers with the token sums: 16 bytes, 3 reloads per pass)
+            spills = sum(t.startswith(("STL", "LDL")) for t in body)
+            reloads = sum(re.sub(r"^@!?U?P\\w+\\s+", "", t).startswith("LDL") for t in passes)
+            assert use.get("LOCAL", 0) == 0 and use.get("STACK", 0) <= 16 and use["REG"] <= cfg["maxnreg"], (kern, nv, use)
+            assert spills == 0 and reloads <= 3, (kern, nv, spills, reloads)
             assert copies and all(t.startswith("LDGSTS.E.BYPASS.128") for t in copies), (kern, nv, sorted(set(copies)))
             assert not any(t.startswith(("SHFL", "STS")) for t in body), (kern, nv)  # no layout conversion in the loop
             # the loop is bound by the integer ALU pipe (ncu, T=16: 73% busy before this check): the B operands'

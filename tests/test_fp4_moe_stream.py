@@ -26,7 +26,10 @@ for fmt in ("nvfp4", "mxfp4"):
         for i, cfg in enumerate(cfgs):
             if fmt == "mxfp4" and cfg["gate_up"]["BLOCK_K"] < 64:
                 continue
-            out = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(stream_min_tokens=1, stream_max_tokens=64, stream=cfg))
+            conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=cfg)
+            out = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=conf)
+            # the token sums in the down kernel (tickets, the default): the same bits as the sum kernel
+            assert torch.equal(out, fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(conf, ticket_sum=False)))
             err = rel_err(out, want)
             assert not torch.isnan(out).any() and err < 1e-2, (fmt, T, k, i, err)
 print("OK")
@@ -81,6 +84,69 @@ def test_stream_path_matches_f64(fmt, shape, T, k, cfg):
     assert not torch.isnan(out).any()
     assert torch.equal(out, again)
     assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 2, 5, 16])
+def test_ticket_sum_equals_sum_kernel(fmt, T):
+    """The default routing (stream / hmma by T) sums each token's rows in the down kernel: bit for bit the
+    separate sum kernel's result, every element written, and the tickets left at 0 for the next call
+    (three calls in a row on new inputs, each checked against the sum kernel)."""
+    from dsv4_mtp_hf.ops.triton import moe_pairs
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES["flash"]
+    W = make_experts(E, D, I, fmt, device="cuda", seed=T + 40)
+    for i in range(3):
+        x, ids, rw = make_inputs(T, E, 6, D, device="cuda", seed=T * 7 + i)
+        out = torch.full_like(x, float("nan"))
+        out.copy_(fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT))
+        want = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(ticket_sum=False))
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any() and torch.equal(out, want), (fmt, T, i)
+    tickets = moe_pairs.sum_tickets(x.device, 1, 1)
+    assert tickets is not None and int(tickets.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_ticket_sum_graph_captured_first():
+    """A graph captured before any eager call allocated the tickets falls back to the sum kernel; the
+    eager calls after it take the tickets; the graph still replays correctly on new inputs."""
+    from dsv4_mtp_hf.ops.triton import persistent
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES["flash"]
+    W = make_experts(E, D, I, "mxfp4", device="cuda", seed=31)
+    x, ids, rw = make_inputs(1, E, 6, D, device="cuda", seed=32)
+    key = ("fp4_moe_sum_tickets", str(x.device))
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiles the kernels without taking tickets
+        out.copy_(fp4_moe_triton(x, ids, rw, *W, "mxfp4", LIMIT, config=dict(ticket_sum=False)))
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    saved = persistent._BUFFERS.pop(key, None)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out.copy_(fp4_moe_triton(x, ids, rw, *W, "mxfp4", LIMIT))
+        assert key not in persistent._BUFFERS  # nothing allocated under capture
+        eager = fp4_moe_triton(x, ids, rw, *W, "mxfp4", LIMIT)  # allocates the tickets
+        assert key in persistent._BUFFERS
+        for i in range(2):
+            x2, ids2, rw2 = make_inputs(1, E, 6, D, device="cuda", seed=33 + i)
+            x.copy_(x2), ids.copy_(ids2), rw.copy_(rw2)
+            out.fill_(float("nan"))
+            g.replay()
+            eager = fp4_moe_triton(x, ids, rw, *W, "mxfp4", LIMIT)
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), i
+            assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, "mxfp4")) < 1e-2, i
+    finally:
+        if saved is not None and key not in persistent._BUFFERS:
+            persistent._BUFFERS[key] = saved
 
 
 @pytest.mark.gpu
@@ -144,7 +210,8 @@ for nv in (True, False):
             ("gate_up", st._gate_up_stream_kernel, {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*i32",
                                                     "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0)),
             ("down", st._down_stream_kernel, {"aw_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
-                                              "g_ptr": "*fp32", "y_ptr": "*fp32"}, {})):
+                                              "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"},
+             dict(TOPK=6, TICKET=True))):  # with the token sums (moe_pairs._ticket_sum), as launched by default
         c = cfg[kern]
         consts = dict(common, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], STAGES=c["STAGES"], **extra)
         k = sc.compile_kernel(fn, ptrs, consts, c["num_warps"], c.get("maxnreg"))

@@ -65,7 +65,8 @@ in fp32.
 Kernels (fixed grids per T, CUDA-graph safe, no host sync): ``_x_f16_kernel`` (T + 1; one launch
 more than the other paths, a candidate for folding into whatever produces x),
 ``_gate_up_hmma_kernel`` (P, I / 8 RG) -> ``act [P + 1, I]`` fp16, ``_down_hmma_kernel`` (P, D / 16 RG)
--> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader program per expert,
+-> ``y [P, D]`` fp32 and the token sums (``moe_pairs._ticket_sum`` in the down kernel, or
+``moe_pairs._sum_kernel``, the caller's, where no tickets are given).  Leader program per expert,
 passes of 2 tokens (``moe_pairs._expert_rows``, ``fp4_moe_mma._rank_pairs``).
 
 ``prefetch=0`` ("staged", opt-in): the K loop is a ``tl.range(num_stages=stages)`` loop of plain loads,
@@ -130,7 +131,7 @@ import triton.language as tl
 
 from .fp4_moe_mma import _lanes, _pick, _rank_pairs
 from .mma_ptx import HMMA_CONSTRAINTS, hmma_asm, ldg_asm
-from .moe_pairs import _expert_rows, merged_config
+from .moe_pairs import _expert_rows, _ticket_sum, merged_config
 
 _HM_NV = tl.constexpr(hmma_asm("nvfp4"))
 _HM_MX = tl.constexpr(hmma_asm("mxfp4"))
@@ -726,11 +727,12 @@ def _gate_up_hmma_kernel(
 
 @triton.jit
 def _down_hmma_kernel(
-    act_ptr, ids_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P,
+    act_ptr, ids_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, out_ptr, tk_ptr, P,
     I: tl.constexpr, D: tl.constexpr, PB: tl.constexpr, IS_NV: tl.constexpr, YSCALE: tl.constexpr,
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
     SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False, PROBE: tl.constexpr = False,
+    TOPK: tl.constexpr = 1, TICKET: tl.constexpr = False,
 ):
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
@@ -763,13 +765,20 @@ def _down_hmma_kernel(
                 dst = y_ptr + pair.to(tl.int64) * D + ro
                 tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
                 tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
+            if TICKET:  # each token's last pair sums its k rows of this 16 RG-row tile into out
+                for h in tl.static_range(2):
+                    if c0r + h < count:
+                        _ticket_sum(y_ptr, out_ptr, tk_ptr, _pair_of(pairs8, h), pid_n, D // (16 * RG), D, TOPK,
+                                    16 * RG)
             c0r += 2
 
 
 def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, *, k, group_size, is_nv,
-                limit, use_asm, cfg, only=None):
-    """Prologue, gate/up and down kernels into ``y`` (the sum kernel is the caller's).  ``act``
-    (the caller's bf16 workspace) is not used: these kernels keep their own fp16 copy."""
+                limit, use_asm, cfg, only=None, out=None, tickets=None):
+    """Prologue, gate/up and down kernels into ``y``; with ``out`` and ``tickets``
+    (``moe_pairs.sum_tickets``) the down kernel also sums each token's rows into ``out``, else the
+    sum kernel is the caller's.  ``act`` (the caller's bf16 workspace) is not used: these kernels
+    keep their own fp16 copy."""
     del act
     p = ids.numel()
     t, d = x.shape
@@ -825,9 +834,11 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     if only in (None, "down"):
         nw, ks = dn["num_warps"], dn["ksplit"]
         wld, sld, xld = load_asms("down", inter, 8 * (nw // ks), is_nv, cfg)
+        ticket = out is not None and tickets is not None
         _down_hmma_kernel[grid(p, d // (16 * nw // ks))](
-            act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, p,
+            act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
+            out if ticket else y, tickets if ticket else ids, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
             WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
-            num_warps=nw, num_stages=1, **regs,
+            TOPK=k, TICKET=ticket, num_warps=nw, num_stages=1, **regs,
         )

@@ -26,7 +26,8 @@ xor (``probe``) take 30 us, the arithmetic (4.55 SASS instructions per weight, g
 
 Kernels (fixed grids per T, CUDA-graph safe, no host sync; PDL like the default kernels):
 ``_gate_up_stream_kernel`` (P, I / BLOCK_N) -> ``act [P, I]`` bf16, ``_down_stream_kernel``
-(P, D / BLOCK_N) -> ``y [P, D]`` fp32, then ``moe_pairs._sum_kernel`` (the caller's).  Leader
+(P, D / BLOCK_N) -> ``y [P, D]`` fp32 and, with tickets, the token sums (``moe_pairs._ticket_sum``: the last of a
+token's pairs per row tile; else ``moe_pairs._sum_kernel``, the caller's).  Leader
 program per expert (``moe_pairs._expert_rows``), one token per pass: an expert with several
 tokens re-reads its rows (from L2), so this path is for decode sizes.
 """
@@ -41,7 +42,7 @@ import triton.language as tl
 
 from .fp4_moe_gemv import _decode8, _pair_of_rank, _word_dot, _x_pair
 from .fp4_moe_triton import _decode_scale
-from .moe_pairs import _expert_rows, merged_config
+from .moe_pairs import _expert_rows, _ticket_sum, merged_config
 from .pdl import launch_args, wait
 
 # BLOCK_N rows per program, BLOCK_K weights per K step, STAGES ring buffers, warps; "tma": the
@@ -161,12 +162,12 @@ def _gate_up_stream_kernel(
 
 @triton.jit
 def _down_stream_kernel(
-    aw_ptr, ids_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr,
-    P, I: tl.constexpr, D: tl.constexpr,
+    aw_ptr, ids_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr, out_ptr, tk_ptr,
+    P, I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
     PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
     NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    TICKET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait(PDL)
     pid_p = tl.program_id(0)
@@ -182,24 +183,27 @@ def _down_stream_kernel(
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row0 = (e * D + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * D rows
         gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
-        for ci in range(NPASS):
-            if ci < count:
-                p0 = _pair_of_rank(offs, match, rank, ci)
-                a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
-                acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+        ci = count * 0
+        while ci < count:  # one pass per pair of the expert (a dynamic loop: not unrolled over NPASS)
+            p0 = _pair_of_rank(offs, match, rank, ci)
+            a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
+            acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+            if PROBE:
+                bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
+            for kk in tl.range(NK, num_stages=STAGES):
+                pw = _w_tile(w_ptr, w_desc, row0, kk, HW, WROW, BLOCK_N, TMA)
+                rsw = _s_tile(s_ptr, row0, kk, NG, NSC, BLOCK_N)
                 if PROBE:
-                    bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
-                for kk in tl.range(NK, num_stages=STAGES):
-                    pw = _w_tile(w_ptr, w_desc, row0, kk, HW, WROW, BLOCK_N, TMA)
-                    rsw = _s_tile(s_ptr, row0, kk, NG, NSC, BLOCK_N)
-                    if PROBE:
-                        bits = bits ^ pw
-                        acc += rsw.to(tl.float32)
-                    else:
-                        acc += _tile_dot(pw, rsw, _x_step(a0, kk, HW), BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
-                if PROBE:
-                    acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
-                tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)
+                    bits = bits ^ pw
+                    acc += rsw.to(tl.float32)
+                else:
+                    acc += _tile_dot(pw, rsw, _x_step(a0, kk, HW), BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
+            if PROBE:
+                acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+            tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)
+            if TICKET:  # the token's last pair sums its k rows of this tile into out
+                _ticket_sum(y_ptr, out_ptr, tk_ptr, p0, pid_n, D // BLOCK_N, D, TOPK, BLOCK_N)
+            ci += 1
 
 
 def stream_supports(hidden: int, intermediate: int, cfg: dict | None = None) -> bool:
@@ -218,8 +222,10 @@ def _descriptor(words: torch.Tensor, block_n: int, hw: int):
 
 
 def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, *, k, group_size,
-                  is_nv, limit, use_asm, fold, cfg, only=None):
-    """Gate/up and down streamed GEMV kernels into ``act`` and ``y`` (the sum kernel is the caller's)."""
+                  is_nv, limit, use_asm, fold, cfg, only=None, out=None, tickets=None):
+    """Gate/up and down streamed GEMV kernels into ``act`` and ``y``; with ``out`` and ``tickets``
+    (``moe_pairs.sum_tickets``) the down kernel also sums each token's rows into ``out``, else the
+    sum kernel is the caller's."""
     p = ids.numel()
     t, d = x.shape
     inter = act.shape[1]
@@ -255,8 +261,10 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
         )
     if only in (None, "down"):
         desc = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
+        ticket = out is not None and tickets is not None
         _down_stream_kernel[(p, d // dn["BLOCK_N"])](
             act.view(torch.int32), ids, w2w, desc, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
-            p, inter, d, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], STAGES=dn["STAGES"],
-            num_warps=dn["num_warps"], **regs(dn), **common,
+            out if ticket else y, tickets if ticket else ids,
+            p, inter, d, TOPK=k, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], STAGES=dn["STAGES"],
+            num_warps=dn["num_warps"], TICKET=ticket, **regs(dn), **common,
         )

@@ -13,7 +13,9 @@ Three launches, fixed grids that depend only on T (CUDA-graph safe, no host sync
    activation row of each pair to a ``[P, I]`` workspace.
 2. ``_down_kernel``  grid ``(P, cdiv(D, BLOCK_N))``: same leader scheme, ``w2`` decoded in
    registers, fp32 result per pair into a ``[P, D]`` fp32 workspace.
-3. ``_sum_kernel``: ``out[t] = sum_j y[t*k + j]`` in a fixed order (deterministic).
+3. ``_sum_kernel``: ``out[t] = sum_j y[t*k + j]`` in a fixed order (deterministic).  The stream and
+   hmma paths (the defaults at T=1..16) do this step inside their down kernel instead
+   (``moe_pairs._ticket_sum``, ``CONFIG["ticket_sum"]``): one launch fewer, the same bits.
 
 ``config=dict(mma_max_tokens=64)`` routes T <= 64 to the opt-in mma.sync kernels of
 ``fp4_moe_mma`` instead (same three-step structure, decode straight into ``mma.sync``).
@@ -47,7 +49,7 @@ from ... import fp4
 from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 from .fp4_moe_mma import fp4_moe_mma, mma_supports
-from .moe_pairs import _expert_rows, _sum_kernel, flat_ids
+from .moe_pairs import _expert_rows, _sum_kernel, flat_ids, sum_tickets
 from . import pdl
 from .pdl import wait
 
@@ -316,6 +318,10 @@ CONFIG = {
     # Measured on the H200 (BENCHMARKS.md, 2026-12-01, NVFP4, routings rotated): 42.3 / 73.9 / 136.9 us
     # at T = 1 / 2 / 4 against 48.0 / 84.7 / 156.7 for the previous defaults, slower at T=16.
     # NVFP4 hands T=3 to the staged hmma loop (above), MXFP4 T=2.
+    # The stream and hmma paths sum each token's expert rows inside their down kernel (``moe_pairs._ticket_sum``:
+    # the token's last pair program per row tile, the same order and bits as ``_sum_kernel``, one launch fewer);
+    # False: the separate sum kernel (also the fallback while a graph is captured before any eager call).
+    "ticket_sum": True,
     "stream_min_tokens": 1,
     "stream_max_tokens": {"nvfp4": 2, "mxfp4": 1},
     "stream": None,
@@ -399,10 +405,14 @@ def _fp4_moe_triton(
             base, supports, launch, extra = mod.GEMV_CONFIG, mod.gemv_supports, mod.launch_gemv, {"fold": fold}
         vcfg = {**base, **(route_value(cfg, key, f.name) or {})}
         if supports(d, inter, vcfg):
+            tickets = None
+            if key in ("stream", "hmma") and cfg["ticket_sum"] and only is None:
+                tickets = sum_tickets(x.device, t, d)  # at most one tile per row, whatever the config's tiles
+                extra = {**extra, "out": out, "tickets": tickets}
             launch(x_c, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, k=k,
                    group_size=f.group_size, is_nv=is_nv, limit=swiglu_limit, use_asm=bool(cfg["use_asm"]), cfg=vcfg,
                    only=only, **extra)
-            if only is None:
+            if only is None and tickets is None:
                 _sum_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=k, BLOCK=1024, num_warps=4, **pdl_kw)
             return out
     pb = max(16, triton.next_power_of_2(p))
