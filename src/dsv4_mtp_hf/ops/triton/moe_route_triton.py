@@ -3,9 +3,11 @@
 1. ``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` gate rows per program read
    in bf16 straight from the weight (no fp32 copy of it), fp32 dot products, then
    ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace.
-2. ``_topk_kernel`` grid ``(T,)``: the top-k of ``score + bias`` by k rounds of
-   max / lowest index among the maxima / mask, weights from the unbiased scores,
-   renormalised and scaled -- all in registers of one warp.
+2. the top-k of ``score + bias`` by k rounds of max / lowest index among the maxima / mask,
+   weights from the unbiased scores, renormalised and scaled (``_topk_row``): by the token's
+   last-arriving scores program (an acq_rel ticket, ``TICKET_TOPK``, one launch), or by
+   ``_topk_kernel`` grid ``(T,)`` in one warp (a graph captured before any eager call; the same
+   bits either way).
 
 Fixed grids, no host sync (CUDA-graph safe), deterministic.  Prefill-sized batches (more
 than ``MAX_TOKENS`` rows) go to the reference, whose GEMM is the better tool there.
@@ -20,14 +22,50 @@ import triton.language as tl
 from ..moe_route import moe_route_op, moe_route_reference
 from . import pdl
 from .pdl import wait
+from .persistent import persistent_zeros
 
 MAX_TOKENS = 64
 BLOCK_E = 2  # gate rows per program: 128 programs per token for 256 experts
+# The top-k by the token's last scores program (a ticket) instead of a second launch (thirteenth session).
+TICKET_TOPK = True
 
 
 @triton.jit
-def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr = False):
+def _topk_row(s_ptr, bias_ptr, w_ptr, id_ptr, t, E, SCALING: tl.constexpr, NORMALIZE: tl.constexpr,
+              TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, CG: tl.constexpr):
+    """Token t's top-k of ``score + bias`` from the fp32 scores row (``.cg`` when other programs of this
+    launch wrote it): k rounds of max / lowest index among the maxima / mask, weights from the unbiased
+    scores, renormalised and scaled."""
+    e = tl.arange(0, E_PAD)
+    emask = e < E
+    if CG:
+        s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0, cache_modifier=".cg")
+    else:
+        s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0)
+    sel = tl.where(emask, s + tl.load(bias_ptr + e, mask=emask, other=0.0), float("-inf"))
+    slot = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    ws = tl.zeros([K_PAD], dtype=tl.float32)
+    tot = tl.sum(ws, axis=0)  # 0.0
+    for i in tl.static_range(TOP_K):
+        m = tl.max(sel, axis=0)
+        idx = tl.minimum(tl.min(tl.where(sel == m, e, E_PAD), axis=0), E - 1)  # a NaN row stays in range
+        ids = tl.where(slot == i, idx, ids)
+        v = tl.sum(tl.where(e == idx, s, 0.0), axis=0)  # one nonzero term: exact in any layout
+        ws = tl.where(slot == i, v, ws)
+        tot += v  # in pick order, a scalar: the same bits in the 1-warp and the 4-warp program
+        sel = tl.where(e == idx, float("-inf"), sel)
+    if NORMALIZE:
+        ws = ws / tot
+    kmask = slot < TOP_K
+    tl.store(w_ptr + t * TOP_K + slot, ws * SCALING, mask=kmask)
+    tl.store(id_ptr + t * TOP_K + slot, ids.to(tl.int64), mask=kmask)
+
+
+@triton.jit
+def _scores_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, rw_ptr, id_ptr, tk_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SCALING: tl.constexpr, NORMALIZE: tl.constexpr, TOP_K: tl.constexpr,
+                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     t = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -44,34 +82,24 @@ def _scores_kernel(h_ptr, w_ptr, s_ptr, E, D: tl.constexpr, BLOCK_E: tl.constexp
     log1p_u = tl.where(u < 1e-3, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))
     sp = tl.where(acc > 20.0, acc, tl.maximum(acc, 0.0) + log1p_u)
     tl.store(s_ptr + t * E + e, tl.sqrt(sp), mask=emask)
+    if TICKET:  # the token's last program to finish takes its top-k (one launch fewer) and resets the ticket
+        tl.debug_barrier()  # every thread's score stores precede the ticket, which releases them at gpu scope
+        if tl.atomic_add(tk_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.atomic_xchg(tk_ptr + t, 0, sem="relaxed", scope="gpu")
+            _topk_row(s_ptr, bias_ptr, rw_ptr, id_ptr, t, E, SCALING, NORMALIZE, TOP_K, E_PAD, K_PAD, True)
 
 
 @triton.jit
 def _topk_kernel(s_ptr, bias_ptr, w_ptr, id_ptr, E, SCALING: tl.constexpr, NORMALIZE: tl.constexpr,
                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
-    t = tl.program_id(0)
-    e = tl.arange(0, E_PAD)
-    emask = e < E
-    s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0)
-    sel = tl.where(emask, s + tl.load(bias_ptr + e, mask=emask, other=0.0), float("-inf"))
-    slot = tl.arange(0, K_PAD)
-    ids = tl.zeros([K_PAD], dtype=tl.int32)
-    ws = tl.zeros([K_PAD], dtype=tl.float32)
-    for i in tl.static_range(TOP_K):
-        m = tl.max(sel, axis=0)
-        idx = tl.minimum(tl.min(tl.where(sel == m, e, E_PAD), axis=0), E - 1)  # a NaN row stays in range
-        ids = tl.where(slot == i, idx, ids)
-        ws = tl.where(slot == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), ws)
-        sel = tl.where(e == idx, float("-inf"), sel)
-    if NORMALIZE:
-        ws = ws / tl.sum(ws, axis=0)  # padding slots hold 0
-    kmask = slot < TOP_K
-    tl.store(w_ptr + t * TOP_K + slot, ws * SCALING, mask=kmask)
-    tl.store(id_ptr + t * TOP_K + slot, ids.to(tl.int64), mask=kmask)
+    _topk_row(s_ptr, bias_ptr, w_ptr, id_ptr, tl.program_id(0), E, SCALING, NORMALIZE, TOP_K, E_PAD, K_PAD, False)
 
 
-def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: bool):
+def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: bool, ticket: bool | None = None):
+    """Scores and top-k; ``ticket`` (default: ``TICKET_TOPK``): the top-k inside the scores kernel, by the
+    token's last program (tickets from ``persistent_zeros``; the separate top-k kernel while a graph is
+    captured before any eager call allocated them)."""
     t, d = h.shape
     e = weight.shape[0]
     scores = torch.empty(t, e, dtype=torch.float32, device=h.device)
@@ -79,12 +107,17 @@ def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: boo
     ids = torch.empty(t, top_k, dtype=torch.long, device=h.device)
     if t:
         pdl_kw = pdl.launch_args(h.device)
-        _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, e, D=d, BLOCK_E=BLOCK_E,
-                                                      BLOCK_K=min(triton.next_power_of_2(d), 4096), num_warps=4,
-                                                      **pdl_kw)
-        _topk_kernel[(t,)](scores, bias, weights, ids, e, SCALING=float(scaling), NORMALIZE=bool(normalize),
-                           TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                           num_warps=1, **pdl_kw)
+        topk_kw = dict(SCALING=float(scaling), NORMALIZE=bool(normalize), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
+                       K_PAD=triton.next_power_of_2(top_k))
+        tickets = None
+        if TICKET_TOPK if ticket is None else ticket:
+            tickets = persistent_zeros("moe_route_tickets", h.device, max(t, MAX_TOKENS), torch.int32)
+        _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, bias, weights, ids,
+                                                      tickets if tickets is not None else ids, e, D=d, BLOCK_E=BLOCK_E,
+                                                      BLOCK_K=min(triton.next_power_of_2(d), 4096),
+                                                      TICKET=tickets is not None, num_warps=4, **topk_kw, **pdl_kw)
+        if tickets is None:
+            _topk_kernel[(t,)](scores, bias, weights, ids, e, num_warps=1, **topk_kw, **pdl_kw)
     return weights, ids
 
 
