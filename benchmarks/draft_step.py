@@ -250,15 +250,23 @@ def eager_rounding_on():
 
 def step_variants():
     """(name, context) of the switches ``--quick`` times against the default step, side by side:
-    the routed MoE on the kernels it used before the streamed GEMV, the MoE halves on one stream
+    the routed MoE's token sums and the router's top-k in separate kernels (each alone; before the thirteenth
+    session), the MoE halves on one stream
     (``dsv4_mtp::mtp_moe`` without its side stream), Inductor rounding like the uncompiled step
     (``cuda_graph.eager_rounding``), PDL in our kernels only (Inductor's launched the classic way), and
     no PDL at all (the last three recompile the step)."""
     import functools
 
-    stream_off = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG,
-                  "stream_max_tokens": 0, "gemv_min_tokens": 2, "gemv_max_tokens": 2}
-    return [("routed MoE without the streamed GEMV", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", stream_off)),
+    sum_kernel = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG, "ticket_sum": False}
+    route_off = functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.moe_route_triton", "TICKET_TOPK", False)
+
+    @contextlib.contextmanager
+    def both_off():
+        with module_flag("dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", sum_kernel), route_off():
+            yield
+    return [("MoE token sums in a separate kernel", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", sum_kernel)),
+            ("router top-k in a separate kernel", route_off),
+            ("both in separate kernels (the twelfth session's step)", both_off),
             ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
             ("Inductor rounding like the uncompiled step", eager_rounding_on),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),

@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, probe, stages2, occ, ncu16, optests, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, stages2, occ, ncu16, optests, tickets, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -10,7 +10,8 @@
 # staged: the staged fp16-MMA loop (fp4_moe_hmma prefetch 0) tested and swept against the defaults and the
 # previous routing (pre9), T=1..16: register caps, grid order (tiles_first), 4 stages; probe: the staged loop's loads
 # alone against a contiguous read; stages2: 2 stages at lower register caps; occ: down to 48 registers;
-# optests: the op's GPU tests (test_fp4_moe_op, test_mtp_moe, test_fp4_moe_stream).
+# optests: the op's GPU tests (test_fp4_moe_op, test_mtp_moe, test_fp4_moe_stream); tickets: the token sums and the
+# router's top-k in their kernels (ticket tests, and the op against the separate sum kernel, sumk).
 set -u
 OUT=${OUT:-/tmp/gpu_validation}
 mkdir -p "$OUT" "$OUT/fp32" "$OUT/sweep" "$OUT/probe" "$OUT/stages2_mx" "$OUT/stages2_nv" "$OUT/occ_mx" "$OUT/occ_nv"
@@ -71,6 +72,9 @@ for part in $parts; do
                --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
                python3 benchmarks/moe_ncu.py --t 16 --fmt $f --variants ""; done ;;
+    tickets) run ticket_tests python3 -m pytest tests/test_fp4_moe_stream.py tests/test_moe_route.py -m gpu -q -p no:cacheprovider
+             run tickets python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,4,16 --ref-ts "" \
+               --no-humming --iters 20 --flush rotate --sweep sumk --out "$OUT/sweep" ;;
     optests) run optests python3 -m pytest tests/test_fp4_moe_op.py tests/test_mtp_moe.py tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider ;;
     rounding) run rounding python3 benchmarks/rounding_stages.py --device cuda --batch 64 ;;
     attn)    run attn python3 benchmarks/attention_op.py --out "$OUT" ;;
@@ -80,10 +84,10 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, occ, ncu16, optests, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, occ, ncu16, optests, tickets, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
-for name in draft quick rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv occ_mx occ_nv ncu16_mxfp4 ncu16_nvfp4 attn hc lmhead linear ncu; do  # each benchmark's own table
+for name in draft quick tickets rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv occ_mx occ_nv ncu16_mxfp4 ncu16_nvfp4 attn hc lmhead linear ncu; do  # each benchmark's own table
   [ -f "$OUT/$name.log" ] && { echo "== $name"; tail -n 16 "$OUT/$name.log"; }
 done
 echo "== summary"
