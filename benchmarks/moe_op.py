@@ -27,7 +27,10 @@ reads its experts from HBM as in a draft step (the method of the 2026-12-01 tabl
 
 The floor is the bytes that must be read (unique experts x packed weights + scales +
 globals, plus activations in and out) over the device-to-device copy bandwidth
-measured in the same run; ``%copy`` = floor / time = achieved fraction of it.
+measured in the same run; ``%copy`` = floor / time = achieved fraction of it.  Under
+``--flush rotate`` "uniq" is the mean over the rotated routings (what the timed calls read);
+until 2026-12-02 (thirteenth session) it was the first routing's alone, which at T=16 moved
+``%copy`` by several points from run to run (76-87 unique experts of 96 pairs).
 """
 
 from __future__ import annotations
@@ -600,12 +603,15 @@ def main():
         for T in Ts:
             row = {"fmt": fmt, "T": T}
             x, ids, rw = random_inputs(T, E, K, D, dev, gen)
-            uniq = int(torch.unique(ids).numel())
-            row["uniq"] = uniq
-            row["floor"] = (uniq * bpe + 2 * x.numel() * 2 + ids.numel() * 8) / bw * 1e6
             ref = reference_f64(x, ids, rw, W, fmt)
             id_sets = [ids] + ([random_inputs(T, E, K, D, dev, gen)[1] for _ in range(max(1, args.rotations) - 1)]
                                if args.flush == "rotate" else [])
+            # the floor of what is timed: under rotation the mean over the rotated routings (their unique experts
+            # differ: 76-87 of the 96 pairs at T=16), not the first routing's (before 2026-12-02, thirteenth session)
+            uniq = statistics.mean(int(torch.unique(i).numel()) for i in id_sets)
+            row["uniq"] = uniq
+            row["uniq_first"] = int(torch.unique(ids).numel())
+            row["floor"] = (uniq * bpe + 2 * x.numel() * 2 + ids.numel() * 8) / bw * 1e6
 
             def timed(make):
                 """Median µs per call of ``make(ids)()`` as a replayed graph: flushed before each
@@ -708,12 +714,12 @@ def main():
     log(f"FP4 MoE op, E={E} D={D} I={I} top-{K}, bf16 activations; CUDA-graph replay, "
         f"{f'{args.rotations} routings rotated back to back (no flush)' if args.flush == 'rotate' else f'L2 flushed ({args.flush})'}, median of "
         f"{args.iters}; copy bw {bw / 1e12:.2f} TB/s; floor = bytes/copy-bw; %copy = floor/time", file=logf)
-    hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>4} {'floor_us':>8} {'ours_us':>8} {'xfloor':>6} {'%copy':>6} {'err':>8} "
+    hdr = (f"{'fmt':>5} {'T':>3} {'uniq':>5} {'floor_us':>8} {'ours_us':>8} {'xfloor':>6} {'%copy':>6} {'err':>8} "
            f"{'nan':>3} {'hum_us':>8} {'hum%':>5} {'hum_err':>8} {'ref_us':>8}")
     log(hdr, file=logf)
     for r in results:
         o, h = r.get("ours"), r.get("hum")
-        log(f"{r['fmt']:>5} {r['T']:>3} {r['uniq']:>4} {fmtv(r['floor'])} {fmtv(o)} "
+        log(f"{r['fmt']:>5} {r['T']:>3} {r['uniq']:>5.1f} {fmtv(r['floor'])} {fmtv(o)} "
             f"{fmtv(o / r['floor'] if o else None, '6.2f')} "
             f"{fmtv(100 * r['floor'] / o if o else None, '5.0f')}% {fmtv(r.get('err'), '8.1e')} {fmtv(r.get('nan'), '3d')} "
             f"{fmtv(h)} {fmtv(100 * r['floor'] / h if h else None, '4.0f')}% {fmtv(r.get('hum_err'), '8.1e')} "
