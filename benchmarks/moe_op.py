@@ -353,6 +353,10 @@ SWEEP = {
     # the default routing with the token sums in a separate kernel (before the thirteenth session), against the
     # down kernels' ticket sums (the default now)
     "sumk": dict(ticket_sum=False),
+    # the routed staged hmma kernels launched without PDL (before the thirteenth session)
+    "hm_nopdl": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2), pdl=False),
+                           "mxfp4": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4),
+                                         pdl=False)}),
     # the tl.dot kernels at every T (the default) and the opt-in mma.sync path, with its
     # breakdown, warps per program (gate_up, down), K split across warps and prefetch depth
     "dot": dict(mma_max_tokens=0, gemv_max_tokens=0, stream_max_tokens=0, hmma_max_tokens=0),  # the tl.dot kernels at every T (default until 2026-11-30)

@@ -132,6 +132,7 @@ import triton.language as tl
 from .fp4_moe_mma import _lanes, _pick, _rank_pairs
 from .mma_ptx import HMMA_CONSTRAINTS, hmma_asm, ldg_asm
 from .moe_pairs import _expert_rows, _ticket_sum, merged_config
+from .pdl import launch_args, wait
 
 _HM_NV = tl.constexpr(hmma_asm("nvfp4"))
 _HM_MX = tl.constexpr(hmma_asm("mxfp4"))
@@ -151,6 +152,9 @@ HMMA_CONFIG = {
     "prefetch": 1,
     "maxnreg": 168,
     "w_hint": "",
+    # programmatic dependent launch (``ops/triton/pdl.py``) for the prologue, gate/up and down kernels, as every
+    # other kernel of ours (since the thirteenth session; False: the classic launch)
+    "pdl": True,
 }
 
 F16_MAX = 65504.0
@@ -217,7 +221,8 @@ def _pair_pos(k):
 
 @triton.jit
 def _x_f16_kernel(x_ptr, xh_ptr, xs_ptr, act_ptr, T, P, D: tl.constexpr, I: tl.constexpr,
-                  DP: tl.constexpr, IP: tl.constexpr):
+                  DP: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     """xh[t] = fp16(x[t] * 2**s_t) in pair order and s_t (program t < T); zero rows xh[T], act[P]."""
     t = tl.program_id(0)
     k = tl.arange(0, DP)
@@ -683,7 +688,9 @@ def _gate_up_hmma_kernel(
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
     STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
     PROBE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    wait(PDL)
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
@@ -733,7 +740,9 @@ def _down_hmma_kernel(
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
     SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False, PROBE: tl.constexpr = False,
     TOPK: tl.constexpr = 1, TICKET: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    wait(PDL)
     pid_p = tl.program_id(1 if TILES_FIRST else 0)
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
@@ -819,9 +828,11 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     if pf == 0 and stages < 1:
         raise ValueError(f"hmma staged loop (prefetch 0): stages >= 1, got {stages}.")
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}
+    regs.update(launch_args(x.device) if cfg.get("pdl", True) else {"PDL": False})
     if only in (None, "gate_up"):
         _x_f16_kernel[(t + 1,)](x, xh, xs, act16, t, p, d, inter, DP=triton.next_power_of_2(d),
-                                IP=triton.next_power_of_2(inter), num_warps=4)
+                                IP=triton.next_power_of_2(inter), num_warps=4,
+                                **{kk: v for kk, v in regs.items() if kk != "maxnreg"})
         nw, ks = gu["num_warps"], gu["ksplit"]
         wld, sld, xld = load_asms("gate_up", d, inter, is_nv, cfg)
         _gate_up_hmma_kernel[grid(p, inter // (8 * nw // ks))](
