@@ -204,11 +204,11 @@ COMPILE_SCRIPT = SM90_BUILD_PREAMBLE + r"""
 from dsv4_mtp_hf.ops.triton import fp4_moe_stream as st
 cfg = st.stream_config()
 for nv in (True, False):
-    common = dict(I=2048, D=4096, PB=16, G=16 if nv else 32, IS_NV=nv, NPASS=6, TMA=False, USE_ASM=True, FOLD=nv,
+    common = dict(I=2048, D=4096, PB=16, G=16 if nv else 32, IS_NV=nv, TMA=False, USE_ASM=True, FOLD=nv,
                   PROBE=False, PDL=True, w_desc=None)
     for kern, fn, ptrs, extra in (
             ("gate_up", st._gate_up_stream_kernel, {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*i32",
-                                                    "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0)),
+                                                    "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0, NPASS=6)),
             ("down", st._down_stream_kernel, {"aw_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
                                               "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"},
              dict(TOPK=6, TICKET=True))):  # with the token sums (moe_pairs._ticket_sum), as launched by default

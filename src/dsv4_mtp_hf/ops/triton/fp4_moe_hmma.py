@@ -224,8 +224,8 @@ def _pair_pos(k):
 @triton.jit
 def _x_f16_kernel(x_ptr, xh_ptr, xs_ptr, act_ptr, T, P, D: tl.constexpr, I: tl.constexpr,
                   DP: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr = False):
-    wait(PDL)
     """xh[t] = fp16(x[t] * 2**s_t) in pair order and s_t (program t < T); zero rows xh[T], act[P]."""
+    wait(PDL)
     t = tl.program_id(0)
     k = tl.arange(0, DP)
     ok = k < D

@@ -165,7 +165,7 @@ def _down_stream_kernel(
     aw_ptr, ids_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr, out_ptr, tk_ptr,
     P, I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
     PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
-    NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
     TICKET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
@@ -184,7 +184,8 @@ def _down_stream_kernel(
         row0 = (e * D + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * D rows
         gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
         ci = count * 0
-        while ci < count:  # one pass per pair of the expert (a dynamic loop: not unrolled over NPASS)
+        while ci < count:  # one pass per pair of the expert (a dynamic loop: with the ticket inside, a loop unrolled
+            # over the pair count spilled at the 80-register cap)
             p0 = _pair_of_rank(offs, match, rank, ci)
             a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
             acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
@@ -246,7 +247,7 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     w13w = w13.view(torch.int32).view(-1, d // 8)
     w2w = w2.view(torch.int32).view(-1, inter // 8)
     pb = max(16, triton.next_power_of_2(p))
-    common = dict(PB=pb, G=group_size, IS_NV=is_nv, NPASS=p, TMA=tma, USE_ASM=bool(use_asm) and not interp,
+    common = dict(PB=pb, G=group_size, IS_NV=is_nv, TMA=tma, USE_ASM=bool(use_asm) and not interp,
                   FOLD=fold, PROBE=bool(cfg.get("probe", False)), **launch_args(x.device))
 
     def regs(c):  # the interpreter takes no register cap
@@ -256,7 +257,8 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
         desc = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
         _gate_up_stream_kernel[(p, inter // gu["BLOCK_N"])](
             x.view(torch.int32), ids, rw, w13w, desc, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
-            p, inter, d, TOPK=k, LIMIT=float(limit), BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], STAGES=gu["STAGES"],
+            p, inter, d, TOPK=k, LIMIT=float(limit), NPASS=p, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"],
+            STAGES=gu["STAGES"],
             num_warps=gu["num_warps"], **regs(gu), **common,
         )
     if only in (None, "down"):

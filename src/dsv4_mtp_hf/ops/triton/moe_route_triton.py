@@ -46,7 +46,7 @@ def _topk_row(s_ptr, bias_ptr, w_ptr, id_ptr, t, E, SCALING: tl.constexpr, NORMA
     slot = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     ws = tl.zeros([K_PAD], dtype=tl.float32)
-    tot = tl.sum(ws, axis=0)  # 0.0
+    tot = 0.0
     for i in tl.static_range(TOP_K):
         m = tl.max(sel, axis=0)
         idx = tl.minimum(tl.min(tl.where(sel == m, e, E_PAD), axis=0), E - 1)  # a NaN row stays in range
