@@ -251,7 +251,7 @@ def eager_rounding_on():
 def step_variants():
     """(name, context) of the switches ``--quick`` times against the default step, side by side:
     the routed MoE's token sums and the router's top-k in separate kernels (each alone; before the thirteenth
-    session), the streamed MoE's down weights L2-prefetched in the other ways (``fp4_moe_stream``'s prefetch_down), the MoE halves on one stream
+    session), the MoE halves on one stream
     (``dsv4_mtp::mtp_moe`` without its side stream), Inductor rounding like the uncompiled step
     (``cuda_graph.eager_rounding``), PDL in our kernels only (Inductor's launched the classic way), and
     no PDL at all (the last three recompile the step)."""
@@ -260,12 +260,6 @@ def step_variants():
     sum_kernel = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG, "ticket_sum": False}
     route_off = functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.moe_route_triton", "TICKET_TOPK", False)
 
-    stream = __import__("dsv4_mtp_hf.ops.triton.fp4_moe_stream", fromlist=["STREAM_CONFIG"])
-
-    def prefetch(mode):  # the streamed MoE's down weights asked into L2 (fourteenth session)
-        return functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_stream", "STREAM_CONFIG",
-                                 {**stream.STREAM_CONFIG, "prefetch_down": mode})
-
     @contextlib.contextmanager
     def both_off():
         with module_flag("dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", sum_kernel), route_off():
@@ -273,8 +267,6 @@ def step_variants():
     return [("MoE token sums in a separate kernel", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", sum_kernel)),
             ("router top-k in a separate kernel", route_off),
             ("both in separate kernels (the twelfth session's step)", both_off),
-            *((f"MoE down weights L2-prefetched ({m})", prefetch(m)) for m in ("end", "early", "loop", None)
-              if m != stream.STREAM_CONFIG["prefetch_down"]),
             ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
             ("Inductor rounding like the uncompiled step", eager_rounding_on),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),

@@ -353,16 +353,6 @@ SWEEP = {
     # the default routing with the token sums in a separate kernel (before the thirteenth session), against the
     # down kernels' ticket sums (the default now)
     "sumk": dict(ticket_sum=False),
-    # the down weights asked into L2 (``l2_prefetch``, fourteenth session) by the streamed gate/up kernel before, in
-    # the middle of, or after its K loop, or ("early") by the down programs PDL launches while gate/up runs; pf_none:
-    # no prefetch (T=1, where the chosen experts' down bytes fit in L2: the stream's prefetch_max_mb)
-    "pf_none": dict(stream=dict(prefetch_down=None)),
-    "pf_start": dict(stream=dict(prefetch_down="start")),
-    "pf_loop": dict(stream=dict(prefetch_down="loop")),
-    "pf_end": dict(stream=dict(prefetch_down="end")),
-    "pf_early": dict(stream=dict(prefetch_down="early")),
-    "pf_end64": dict(stream=dict(prefetch_down="end", prefetch_max_mb=64)),  # also at T=2 (54 MB NVFP4)
-    "pf_early64": dict(stream=dict(prefetch_down="early", prefetch_max_mb=64)),
     # the routed staged hmma kernels launched without PDL (before the thirteenth session)
     "hm_nopdl": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2), pdl=False),
                            "mxfp4": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4),

@@ -2,7 +2,7 @@
 # One device call that validates HEAD on the GPU and times it (logs under $OUT, summary last).
 #   bash .gpu_wheels/install.sh && export PYTHONPATH=/tmp/site:$PWD/src && bash scripts/gpu_validation.sh [parts]
 # parts (default: tests draft batched moe): tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu,
-# hmma, staged, probe, stages2, occ, ncu16, optests, tickets, prefetch, rounding, attn, lmhead, quick, hc.
+# hmma, staged, probe, stages2, occ, ncu16, optests, tickets, rounding, attn, lmhead, quick, hc.
 # On nvidia-h200-x2 the two-GPU tests and the split-target benchmark run too; on one GPU they
 # skip / use that GPU.  batched32: the fp32 target (equality checks immune to bf16 near-ties),
 # both target attentions; moesweep: FP4-MoE variants and the read probe (bytes alone); linear: the skinny-linear
@@ -49,12 +49,6 @@ for part in $parts; do
              run staged python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2,3,4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --out "$OUT/sweep" \
                --sweep pre9,hm_st@3+8+16,hm_st_r128@8+16,hm_st_tf@8+16,hm_st_r128_tf@8+16,hm_st_n2_r96_tf@4+8+16,hm_st_n2_r96s4@4+8+16 ;;
-    # prefetch: the down weights' L2 prefetch from the streamed gate/up kernel (before / inside / after its K loop)
-    # or from the early-launched down programs, against none, T=1..2 (fourteenth session)
-    prefetch) run stream_tests python3 -m pytest tests/test_fp4_moe_stream.py -m gpu -q -p no:cacheprovider
-             run prefetch python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 1,2 --ref-ts "" \
-               --no-humming --flush rotate --iters 30 --out "$OUT/sweep" \
-               --sweep pf_none,pf_start,pf_loop,pf_end,pf_early,pf_end64@2,pf_early64@2 ;;
     # probe: what the staged loop's loads alone cost (its grid and ring, no math), against the contiguous read probe
     probe)   run probe python3 benchmarks/moe_op.py --fmts nvfp4,mxfp4 --sweep-fmts nvfp4,mxfp4 --ts 4,8,16 --ref-ts "" \
                --no-humming --flush rotate --iters 20 --read-probe 4096,16384 --out "$OUT/probe" \
@@ -90,7 +84,7 @@ for part in $parts; do
     ncu)     run ncu ncu --profile-from-start off --clock-control none --section SpeedOfLight --section SchedulerStats \
                --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section LaunchStats \
                python3 benchmarks/moe_ncu.py --t 1 --variants gv32,mma ;;
-    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, occ, ncu16, optests, tickets, prefetch, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
+    *) echo "unknown part $part (tests, hgemv, draft, batched, batched32, moe, moesweep, stream, linear, ncu, hmma, staged, probe, stages2, occ, ncu16, optests, tickets, rounding, attn, lmhead, quick, hc)"; exit 2 ;;
   esac
 done
 for name in draft quick tickets rounding batched batched32 moe moesweep stream hmmasweep staged probe stages2_mx stages2_nv occ_mx occ_nv ncu16_mxfp4 ncu16_nvfp4 attn hc lmhead linear ncu; do  # each benchmark's own table

@@ -55,9 +55,6 @@ def test_stream_config_errors():
     with pytest.raises(ValueError, match="BLOCK_K a power of two"):
         launch_stream(x, ids.view(-1), rw.view(-1), *W, act, y, k=2, group_size=16, is_nv=True, limit=LIMIT,
                       use_asm=False, fold=False, cfg=dict(gate_up=dict(BLOCK_K=48)))
-    with pytest.raises(ValueError, match="prefetch_down='middle'"):
-        launch_stream(x, ids.view(-1), rw.view(-1), *W, act, y, k=2, group_size=16, is_nv=True, limit=LIMIT,
-                      use_asm=False, fold=False, cfg=dict(prefetch_down="middle"))
 
 
 STREAM_CFGS = {
@@ -65,9 +62,6 @@ STREAM_CFGS = {
     "tma": dict(tma=True),
     "n16s4": dict(gate_up=dict(BLOCK_N=16, STAGES=4), down=dict(BLOCK_N=16, STAGES=4)),
     "tma_k256": dict(tma=True, gate_up=dict(BLOCK_K=256, STAGES=4), down=dict(BLOCK_K=256, STAGES=4)),
-    # the down weights' L2 prefetch at every tested T (the default limits it to T=1's bytes): a hint that must not
-    # change a bit (the early form also reorders the launches: the down kernel starts while gate/up runs)
-    **{f"pf_{mode}": dict(prefetch_down=mode, prefetch_max_mb=4096) for mode in ("start", "loop", "end", "early")},
 }
 
 
@@ -90,9 +84,6 @@ def test_stream_path_matches_f64(fmt, shape, T, k, cfg):
     assert not torch.isnan(out).any()
     assert torch.equal(out, again)
     assert rel_err(out, _reference_f64_gpu(x, ids, rw, W, fmt)) < 1e-2
-    if cfg.startswith("pf_"):  # a prefetch is only a hint: the same bits as without it
-        plain = dict(conf, stream={**STREAM_CFGS[cfg], "prefetch_down": None})
-        assert torch.equal(out, fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=plain))
 
 
 @pytest.mark.gpu
@@ -159,11 +150,11 @@ def test_ticket_sum_graph_captured_first():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["default", "tma", "pf_end", "pf_early"])
-def test_stream_path_cuda_graph_replay(cfg):
+@pytest.mark.parametrize("tma", [False, True])
+def test_stream_path_cuda_graph_replay(tma):
     from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
 
-    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=STREAM_CFGS[cfg])
+    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=dict(tma=tma))
     check_graph_replay(lambda *a: fp4_moe_triton(*a, config=conf), "nvfp4", seed=21, replays=2)
 
 
@@ -214,38 +205,27 @@ from dsv4_mtp_hf.ops.triton import fp4_moe_stream as st
 cfg = st.stream_config()
 for nv in (True, False):
     common = dict(I=2048, D=4096, PB=16, G=16 if nv else 32, IS_NV=nv, TMA=False, USE_ASM=True, FOLD=nv,
-                  PROBE=False, PDL=True, w_desc=None, NT=128)
-    gu_ptrs = {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32",
-               "act_ptr": "*bf16", "w2b_ptr": "*u8", "s2b_ptr": "*u8"}
-    dn_ptrs = {"aw_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": "*fp32",
-               "out_ptr": "*bf16", "tk_ptr": "*i32"}
-    gu = dict(TOPK=6, LIMIT=10.0, NPASS=6, PF_DOWN=0, TRIGGER=False)
-    # the default forms (the down kernel with the token sums, moe_pairs._ticket_sum), then the down weights' L2
-    # prefetch (l2_prefetch) from each place in gate/up and from the early-launched down programs
+                  PROBE=False, PDL=True, w_desc=None)
     for kern, fn, ptrs, extra in (
-            ("gate_up", st._gate_up_stream_kernel, gu_ptrs, gu),
-            ("down", st._down_stream_kernel, dn_ptrs, dict(TOPK=6, TICKET=True, PF_SELF=False)),
-            *(("gate_up", st._gate_up_stream_kernel, gu_ptrs, dict(gu, PF_DOWN=m)) for m in (1, 2, 3)),
-            ("gate_up", st._gate_up_stream_kernel, gu_ptrs, dict(gu, TRIGGER=True)),
-            ("down", st._down_stream_kernel, dn_ptrs, dict(TOPK=6, TICKET=True, PF_SELF=True))):
+            ("gate_up", st._gate_up_stream_kernel, {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*i32",
+                                                    "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0, NPASS=6)),
+            ("down", st._down_stream_kernel, {"aw_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
+                                              "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"},
+             dict(TOPK=6, TICKET=True))):  # with the token sums (moe_pairs._ticket_sum), as launched by default
         c = cfg[kern]
         consts = dict(common, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], STAGES=c["STAGES"], **extra)
         k = sc.compile_kernel(fn, ptrs, consts, c["num_warps"], c.get("maxnreg"))
         sass, use = sc.sass_of(k)
-        assert use.get("LOCAL", 0) == 0 and use.get("STACK", 0) == 0, (kern, nv, extra, use)  # no spills under the cap
+        assert use.get("LOCAL", 0) == 0 and use.get("STACK", 0) == 0, (kern, nv, use)  # no spills under the cap
         if c.get("maxnreg"):
             assert use["REG"] <= c["maxnreg"], (kern, nv, use)
-        assert "LDGSTS" in sass, (kern, nv, extra)  # the K loop still pipelined into the ring
-        prefetches = extra.get("PF_DOWN", 0) or extra.get("PF_SELF", False)
-        assert sass.count("UBLKPF") == (2 if prefetches else 0), (kern, nv, extra)  # weights and scales, one each
-        assert k.asm["ptx"].count("griddepcontrol") == 1 + int(extra.get("TRIGGER", False)), (kern, nv, extra)
+        assert "LDGSTS" in sass, (kern, nv)  # the K loop still pipelined into the ring
 print("OK")
 """
 
 
 def test_stream_kernels_build_for_sm90():
     """Offline sm_90 build (Triton's ptxas, no GPU) of the streamed gate/up and down kernels at
-    STREAM_CONFIG, both formats, with and without the down weights' L2 prefetch: no spills under their
-    register caps (the down kernel's 80 fits one wave of programs at T=1), the K loop still asynchronous
-    copies, one bulk prefetch each for the weights and the scales where asked."""
+    STREAM_CONFIG, both formats: no spills under their register caps (the down kernel's 80 fits one
+    wave of programs at T=1), the K loop still asynchronous copies."""
     run_under_triton_interpreter(COMPILE_SCRIPT, timeout=600)

@@ -42,7 +42,6 @@ import triton.language as tl
 
 from .fp4_moe_gemv import _decode8, _pair_of_rank, _word_dot, _x_pair
 from .fp4_moe_triton import _decode_scale
-from .l2_prefetch import l2_prefetch
 from .moe_pairs import _expert_rows, _ticket_sum, merged_config
 from .pdl import launch_args, wait
 
@@ -59,12 +58,7 @@ STREAM_CONFIG = {
     "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=None),
     "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=80),
     "tma": False,
-    "prefetch_down": None,
-    "prefetch_max_mb": 32,
 }
-# prefetch_down: where the down weights are asked into L2 (l2_prefetch); "early": gate/up triggers the down
-# kernel's PDL launch at its start and each down program prefetches its own rows before it waits
-PREFETCH_MODES = {None: 0, "start": 1, "end": 2, "loop": 3, "early": 0}
 
 
 def stream_config(cfg: dict | None = None) -> dict:
@@ -114,34 +108,19 @@ def _tile_dot(pw, rsw, x8, BLOCK_N: tl.constexpr, HW: tl.constexpr, WPG: tl.cons
 
 
 @triton.jit
-def _prefetch_down(w2b_ptr, s2b_ptr, e, pid_n, I: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NT: tl.constexpr):
-    """Gate/up program ``pid_n`` of expert ``e`` asks L2 for its 1 / (I / BLOCK_N) share of the
-    expert's down weights and scales (contiguous: ``[E, D, I / 2]`` and ``[E, D, I / G]`` bytes)."""
-    PFW: tl.constexpr = D * BLOCK_N // 2
-    PFS: tl.constexpr = D * BLOCK_N // G
-    l2_prefetch(w2b_ptr + e.to(tl.int64) * (D * I // 2) + pid_n * PFW, PFW, NT)
-    l2_prefetch(s2b_ptr + e.to(tl.int64) * (D * I // G) + pid_n * PFS, PFS, NT)
-
-
-@triton.jit
 def _gate_up_stream_kernel(
-    xw_ptr, ids_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr, w2b_ptr, s2b_ptr,
+    xw_ptr, ids_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr,
     P, I: tl.constexpr, D: tl.constexpr,
     TOPK: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr, LIMIT: tl.constexpr,
     NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
-    PF_DOWN: tl.constexpr = 0, NT: tl.constexpr = 128, TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait(PDL)
-    if TRIGGER:  # the down kernel may launch now: its programs only prefetch before their own wait
-        tl.extra.cuda.gdc_launch_dependents()
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
-        if PF_DOWN == 1:  # before the K loop: this program's share of its expert's down weights (L2 hint)
-            _prefetch_down(w2b_ptr, s2b_ptr, e, pid_n, I, D, G, BLOCK_N, NT)
         HW: tl.constexpr = BLOCK_K // 8  # packed int32 words per row per K step
         WPG: tl.constexpr = G // 8  # words per scale group
         NG: tl.constexpr = HW // WPG
@@ -162,9 +141,6 @@ def _gate_up_stream_kernel(
                 if PROBE:
                     bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
                 for kk in tl.range(NK, num_stages=STAGES):
-                    if PF_DOWN == 3:
-                        if kk == NK // 2 and ci == 0:  # half-way through the first pass's K loop
-                            _prefetch_down(w2b_ptr, s2b_ptr, e, pid_n, I, D, G, BLOCK_N, NT)
                     pg = _w_tile(w_ptr, w_desc, row_g, kk, HW, WROW, BLOCK_N, TMA)
                     pu = _w_tile(w_ptr, w_desc, row_u, kk, HW, WROW, BLOCK_N, TMA)
                     rsg = _s_tile(s_ptr, row_g, kk, NG, NSC, BLOCK_N)
@@ -178,9 +154,6 @@ def _gate_up_stream_kernel(
                         acc_u += _tile_dot(pu, rsu, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
                 if PROBE:
                     acc_u += tl.sum(bits, axis=1).to(tl.float32)[:, None]
-                if PF_DOWN == 2:
-                    if ci == 0:  # after the first pass's K loop (the stream's last loads are in flight)
-                        _prefetch_down(w2b_ptr, s2b_ptr, e, pid_n, I, D, G, BLOCK_N, NT)
                 g = tl.minimum(tl.sum(acc_g, axis=1) * gg, LIMIT)
                 u = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1) * gu, -LIMIT), LIMIT)
                 a = g / (1.0 + tl.exp(-g)) * u * tl.load(rw_ptr + p0)
@@ -194,18 +167,11 @@ def _down_stream_kernel(
     PB: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
-    TICKET: tl.constexpr = False, PF_SELF: tl.constexpr = False, NT: tl.constexpr = 128, PDL: tl.constexpr = False,
+    TICKET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PF_SELF:  # launched early (gate/up triggered): ask L2 for this program's rows before waiting on gate/up.
-        # Reads only the routing, which was complete before gate/up's own wait returned and it triggered.
-        e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
-        if earlier == 0:
-            r0 = (e * D + pid_n * BLOCK_N).to(tl.int64)
-            l2_prefetch(w_ptr.to(tl.pointer_type(tl.uint8)) + r0 * (I // 2), BLOCK_N * I // 2, NT)
-            l2_prefetch(s_ptr + r0 * (I // G), BLOCK_N * I // G, NT)
-    wait(PDL)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
         HW: tl.constexpr = BLOCK_K // 8
@@ -272,8 +238,6 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
                 (c.get("maxnreg") is not None and not 24 <= c["maxnreg"] <= 255):
             raise ValueError(f"stream config {c}: BLOCK_K a power of two >= 64 and a multiple of {group_size}, "
                              "BLOCK_N a power of two, STAGES >= 1, maxnreg None or 24..255.")
-    if cfg["prefetch_down"] not in PREFETCH_MODES:
-        raise ValueError(f"stream config prefetch_down={cfg['prefetch_down']!r}: one of {list(PREFETCH_MODES)}.")
     if not stream_supports(d, inter, cfg):
         raise ValueError(f"D={d} / I={inter} must be multiples of the stream blocks {gu} / {dn}.")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -289,23 +253,13 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     def regs(c):  # the interpreter takes no register cap
         return {"maxnreg": int(c["maxnreg"])} if c.get("maxnreg") and not interp else {}
 
-    # L2 prefetch of the down weights (l2_prefetch): by gate/up ("start" / "loop" / "end" of its K loop) or, with
-    # "early", by the down programs that PDL launches while gate/up runs; only where the chosen experts' down bytes
-    # fit in L2 beside the gate/up stream, never under the interpreter (inline asm)
-    w2b, s2b = w2.view(torch.uint8), w2_scale.view(torch.uint8)
-    pf = cfg["prefetch_down"]
-    down_bytes = p * (w2b[0].numel() + s2b[0].numel())
-    if interp or down_bytes > cfg["prefetch_max_mb"] * 2**20 or w2b.data_ptr() % 16 or s2b.data_ptr() % 16 \
-            or only is not None:
-        pf = None
-    early = pf == "early" and common["PDL"]
     if only in (None, "gate_up"):
         desc = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
         _gate_up_stream_kernel[(p, inter // gu["BLOCK_N"])](
             x.view(torch.int32), ids, rw, w13w, desc, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
-            w2b, s2b, p, inter, d, TOPK=k, LIMIT=float(limit), NPASS=p, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"],
-            STAGES=gu["STAGES"], PF_DOWN=PREFETCH_MODES[pf] if not early else 0, NT=32 * gu["num_warps"],
-            TRIGGER=early, num_warps=gu["num_warps"], **regs(gu), **common,
+            p, inter, d, TOPK=k, LIMIT=float(limit), NPASS=p, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"],
+            STAGES=gu["STAGES"],
+            num_warps=gu["num_warps"], **regs(gu), **common,
         )
     if only in (None, "down"):
         desc = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
@@ -314,5 +268,5 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
             act.view(torch.int32), ids, w2w, desc, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
             out if ticket else y, tickets if ticket else ids,
             p, inter, d, TOPK=k, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], STAGES=dn["STAGES"],
-            num_warps=dn["num_warps"], TICKET=ticket, PF_SELF=early, NT=32 * dn["num_warps"], **regs(dn), **common,
+            num_warps=dn["num_warps"], TICKET=ticket, **regs(dn), **common,
         )
