@@ -253,7 +253,8 @@ def step_variants():
     the routed MoE's token sums and the router's top-k in separate kernels (each alone; before the thirteenth
     session), the MoE halves on one stream
     (``dsv4_mtp::mtp_moe`` without its side stream), Inductor rounding like the uncompiled step
-    (``cuda_graph.eager_rounding``), PDL in our kernels only (Inductor's launched the classic way), and
+    (``cuda_graph.eager_rounding``), PDL without our kernels' early triggers (before the fourteenth session), PDL in
+    our kernels only (Inductor's launched the classic way), and
     no PDL at all (the last three recompile the step)."""
     import functools
 
@@ -269,6 +270,8 @@ def step_variants():
             ("both in separate kernels (the twelfth session's step)", both_off),
             ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False)),
             ("Inductor rounding like the uncompiled step", eager_rounding_on),
+            ("PDL without our kernels' early triggers", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.pdl",
+                                                                        "trigger", False)),
             ("PDL in our kernels only", functools.partial(recompiled, inductor=False)),
             ("no PDL", functools.partial(recompiled, enabled=False))]
 

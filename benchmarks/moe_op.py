@@ -36,6 +36,8 @@ until 2026-12-02 (thirteenth session) it was the first routing's alone, which at
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -353,6 +355,9 @@ SWEEP = {
     # the default routing with the token sums in a separate kernel (before the thirteenth session), against the
     # down kernels' ticket sums (the default now)
     "sumk": dict(ticket_sum=False),
+    # our kernels with PDL but without their early trigger (``ops/triton/pdl.py``'s ``trigger``; before the fourteenth
+    # session): "_flags" are module attributes set while the variant runs and is captured
+    "notrig": {"_flags": {"dsv4_mtp_hf.ops.triton.pdl.trigger": False}},
     # the routed staged hmma kernels launched without PDL (before the thirteenth session)
     "hm_nopdl": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2), pdl=False),
                            "mxfp4": dict(prefetch=0, stages=2, maxnreg=72, gate_up=dict(nsub=4), down=dict(nsub=4),
@@ -525,6 +530,22 @@ SWEEP = {
 }
 
 
+@contextlib.contextmanager
+def module_flags(flags: dict):
+    """``{"package.module.attr": value}`` set for the duration."""
+    saved = []
+    try:
+        for path, value in flags.items():
+            mod, attr = path.rsplit(".", 1)
+            mod = importlib.import_module(mod)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
 def fmtv(v, spec="8.1f"):
     return format(v, spec) if isinstance(v, (int, float)) else f"{'-':>{spec.split('.')[0]}}"
 
@@ -655,7 +676,8 @@ def main():
                     continue
                 try:
                     o2 = torch.full_like(x, float("nan"))
-                    cfgv = SWEEP[name]
+                    cfgv = {kk: vv for kk, vv in SWEEP[name].items() if kk != "_flags"}
+                    flags = module_flags(SWEEP[name].get("_flags", {}))
                     if "hmma" in cfgv:  # an unsupported hmma config would time the op's other path under its name
                         from dsv4_mtp_hf.ops.triton.fp4_moe_hmma import hmma_supports
                         from dsv4_mtp_hf.ops.triton.fp4_moe_triton import route_value
@@ -667,12 +689,13 @@ def main():
                     def make_var(ids_, cfgv=cfgv, o2=o2):
                         return lambda: o2.copy_(tri.fp4_moe_triton(x, ids_, rw, *W, fmt, LIMIT, config=cfgv))
 
-                    make_var(ids)()
-                    torch.cuda.synchronize()
-                    # one kernel only, or a probe (no math): the result is not the op's, so unchecked
-                    unchecked = "only" in cfgv or any(isinstance(v, dict) and v.get("probe") for v in cfgv.values())
-                    e2 = None if unchecked else (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan"))
-                    row[f"v:{name}"] = (timed(make_var), e2)
+                    with flags:
+                        make_var(ids)()
+                        torch.cuda.synchronize()
+                        # one kernel only, or a probe (no math): the result is not the op's, so unchecked
+                        unchecked = "only" in cfgv or any(isinstance(v, dict) and v.get("probe") for v in cfgv.values())
+                        e2 = None if unchecked else (rel_err(o2, ref) if not torch.isnan(o2).any() else float("nan"))
+                        row[f"v:{name}"] = (timed(make_var), e2)
                 except Exception as err:  # noqa: BLE001
                     log(f"[{fmt} T={T}] variant {name} FAILED: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:300]}", file=logf)

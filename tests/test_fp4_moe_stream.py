@@ -205,7 +205,7 @@ from dsv4_mtp_hf.ops.triton import fp4_moe_stream as st
 cfg = st.stream_config()
 for nv in (True, False):
     common = dict(I=2048, D=4096, PB=16, G=16 if nv else 32, IS_NV=nv, TMA=False, USE_ASM=True, FOLD=nv,
-                  PROBE=False, PDL=True, w_desc=None)
+                  PROBE=False, PDL=2, w_desc=None)  # PDL as launched: wait, then trigger
     for kern, fn, ptrs, extra in (
             ("gate_up", st._gate_up_stream_kernel, {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*i32",
                                                     "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0, NPASS=6)),

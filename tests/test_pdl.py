@@ -16,12 +16,14 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 def test_launch_args_keep_the_constexpr_and_the_launch_flag_together(monkeypatch):
     from dsv4_mtp_hf.ops.triton import pdl
 
-    assert pdl.launch_args(torch.device("cpu")) == {"PDL": False}  # never "launch_pdl" without "PDL"
+    assert pdl.launch_args(torch.device("cpu")) == {"PDL": 0}  # never "launch_pdl" without "PDL"
     assert pdl.inductor_options(torch.device("cpu")) == {}
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
-        assert pdl.launch_args(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+        assert pdl.launch_args(torch.device("cuda")) == {"PDL": 2, "launch_pdl": True}  # wait, then trigger
+        monkeypatch.setattr(pdl, "trigger", False)
+        assert pdl.launch_args(torch.device("cuda")) == {"PDL": 1, "launch_pdl": True}  # wait only
     monkeypatch.setattr(pdl, "enabled", False)
-    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": 0}
     assert pdl.inductor_options(torch.device("cuda", 0)) == {}  # off with ours
 
 
@@ -38,11 +40,14 @@ def _chain(x, w1, w3, w2, head):
 
 
 @pytest.mark.gpu
-def test_pdl_chain_equals_classic_launches_eager_and_graphed(monkeypatch):
+@pytest.mark.parametrize("trigger", [True, False])
+def test_pdl_chain_equals_classic_launches_eager_and_graphed(monkeypatch, trigger):
+    """With and without the early triggers (a triggered dependent is resident while its predecessor runs)."""
     from dsv4_mtp_hf.ops.triton import pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
+    monkeypatch.setattr(pdl, "trigger", trigger)
     g = torch.Generator(device="cuda").manual_seed(0)
     d, i, v = 4096, 2048, 32768
 
