@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -356,7 +356,7 @@ SWEEP = {
     # down kernels' ticket sums (the default now)
     "sumk": dict(ticket_sum=False),
     # our kernels with PDL but without their early trigger (``ops/triton/pdl.py``'s ``trigger``; before the fourteenth
-    # session): "_flags" are module attributes set while the variant runs and is captured
+    # session): "_flags" are module attributes patched while the variant runs and is captured
     "notrig": {"_flags": {"dsv4_mtp_hf.ops.triton.pdl.trigger": False}},
     # the routed staged hmma kernels launched without PDL (before the thirteenth session)
     "hm_nopdl": dict(hmma={"nvfp4": dict(prefetch=0, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2), pdl=False),
@@ -530,22 +530,6 @@ SWEEP = {
 }
 
 
-@contextlib.contextmanager
-def module_flags(flags: dict):
-    """``{"package.module.attr": value}`` set for the duration."""
-    saved = []
-    try:
-        for path, value in flags.items():
-            mod, attr = path.rsplit(".", 1)
-            mod = importlib.import_module(mod)
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
-        yield
-    finally:
-        for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
-
-
 def fmtv(v, spec="8.1f"):
     return format(v, spec) if isinstance(v, (int, float)) else f"{'-':>{spec.split('.')[0]}}"
 
@@ -677,7 +661,6 @@ def main():
                 try:
                     o2 = torch.full_like(x, float("nan"))
                     cfgv = {kk: vv for kk, vv in SWEEP[name].items() if kk != "_flags"}
-                    flags = module_flags(SWEEP[name].get("_flags", {}))
                     if "hmma" in cfgv:  # an unsupported hmma config would time the op's other path under its name
                         from dsv4_mtp_hf.ops.triton.fp4_moe_hmma import hmma_supports
                         from dsv4_mtp_hf.ops.triton.fp4_moe_triton import route_value
@@ -689,7 +672,9 @@ def main():
                     def make_var(ids_, cfgv=cfgv, o2=o2):
                         return lambda: o2.copy_(tri.fp4_moe_triton(x, ids_, rw, *W, fmt, LIMIT, config=cfgv))
 
-                    with flags:
+                    with contextlib.ExitStack() as flags:
+                        for path, value in SWEEP[name].get("_flags", {}).items():
+                            flags.enter_context(mock.patch(path, value))
                         make_var(ids)()
                         torch.cuda.synchronize()
                         # one kernel only, or a probe (no math): the result is not the op's, so unchecked
