@@ -535,9 +535,13 @@ def _per_column_shared(v, NW: tl.constexpr):
 
 
 @triton.jit
-def _pick_word(win, i):
-    """``win [NT, NWW]`` (each lane's own words) -> [NT] word ``i`` (per lane), selected in registers."""
-    return tl.sum(tl.where(tl.arange(0, win.shape[1])[None, :] == i[:, None], win, 0), axis=1)
+def _pick_word(win, i, W0: tl.constexpr, SW: tl.constexpr):
+    """``win [NT, NWW]`` (each lane's own words) -> [NT] word ``W0 + i`` (per lane, ``0 <= i < SW``), selected in
+    registers.  The static range test lets the compiler drop the selects of the words outside W0 .. W0 + SW - 1
+    (a thread holds its whole row of ``win``, so each position is a compile-time constant)."""
+    c = tl.arange(0, win.shape[1])[None, :]
+    hit = (c >= W0) & (c < W0 + SW) & (c - W0 == i[:, None])
+    return tl.sum(tl.where(hit, win, 0), axis=1)
 
 
 @triton.jit
@@ -550,15 +554,24 @@ def _ld_s_window(p, kl, SROWB: tl.constexpr, NSUB: tl.constexpr, KL: tl.constexp
     SB: tl.constexpr = 2 if IS_NV else 1
     NWW: tl.constexpr = KL * NSUB * SB // 4  # words per row and iteration
     MASK: tl.constexpr = 0xFFFF if IS_NV else 0xFF
-    win_a = tl.load(p[:, None] + tl.arange(0, NWW)[None, :])
-    win_b = tl.load(p[:, None] + (SROWB // 4 + tl.arange(0, NWW))[None, :])
+    # chunk kl + KL j's bytes lie in words j SW .. j SW + SW - 1 (kl < KL); the window is copied in pieces of at most
+    # 4 words (one 16-byte copy per thread: a wider [NT, NWW] tensor is split across threads, and the pick then
+    # shuffles across lanes through shared memory -- SASS)
+    SW: tl.constexpr = NWW // NSUB
+    PW: tl.constexpr = 4 if NWW > 4 else NWW
+    tl.static_assert(SW <= PW, "a chunk column's scale words must lie in one 16-byte piece of the window")
+    pa = ()
+    pb = ()
+    for i in tl.static_range(NWW // PW):
+        pa = pa + (tl.load(p[:, None] + (i * PW + tl.arange(0, PW))[None, :]),)
+        pb = pb + (tl.load(p[:, None] + (SROWB // 4 + i * PW + tl.arange(0, PW))[None, :]),)
+    byte = kl * SB
+    sh = (byte % 4) * 8
     ra = ()
     rb = ()
     for j in tl.static_range(NSUB):
-        byte = (kl + KL * j) * SB
-        sh = (byte % 4) * 8
-        ra = ra + (((_pick_word(win_a, byte // 4) >> sh) & MASK),)
-        rb = rb + (((_pick_word(win_b, byte // 4) >> sh) & MASK),)
+        ra = ra + (((_pick_word(pa[j * SW // PW], byte // 4, j * SW % PW, SW) >> sh) & MASK),)
+        rb = rb + (((_pick_word(pb[j * SW // PW], byte // 4, j * SW % PW, SW) >> sh) & MASK),)
     return ra + rb
 
 
