@@ -471,7 +471,17 @@ SWEEP = {
            ("st_dr0_dn", dict(down=dict(maxnreg=None)), "down"),
            # probes: the same grid, loads and pipeline without the FP4 math (result garbage, unchecked)
            ("st_probe", dict(probe=True), None), ("st_tma_probe", dict(tma=True, probe=True), None),
-           ("st_gu_probe", dict(probe=True), "gate_up"), ("st_dn_probe", dict(probe=True), "down"))},
+           ("st_gu_probe", dict(probe=True), "gate_up"), ("st_dn_probe", dict(probe=True), "down"),
+           # fu = both kernels as one launch (``_fused_stream_kernel``); rN = its register cap (ptxas alone takes
+           # ~158: 3 programs per SM); dn64 / gu16 = down / gate_up tiles of 64 / 16 rows
+           ("st_fu", dict(fused=True), None), ("st_fu_r128", dict(fused=True, fused_maxnreg=128), None),
+           ("st_fu_r128_dn64", dict(fused=True, fused_maxnreg=128, down=dict(BLOCK_N=64)), None),
+           ("st_fu_dn64", dict(fused=True, down=dict(BLOCK_N=64)), None),
+           ("st_fu_r128_gu16", dict(fused=True, fused_maxnreg=128, gate_up=dict(BLOCK_N=16)), None),
+           ("st_fu_r96", dict(fused=True, fused_maxnreg=96), None),
+           ("st_fu_dn64_probe", dict(fused=True, probe=True, down=dict(BLOCK_N=64)), None),
+           ("st_fu_probe", dict(fused=True, probe=True), None),
+           ("st_fu_r128_probe", dict(fused=True, fused_maxnreg=128, probe=True), None))},
     # fp16 mma.sync kernels with fp32 block scales (``fp4_moe_hmma``; its HMMA_CONFIG): hm = the default
     # (4 warps, 2 chunks per lane and iteration, loop unrolled by two, maxnreg 168); _gu / _dn one kernel
     # (gate/up includes the small activation prologue); pf2 = weights two iterations ahead (3 rotating

@@ -12,12 +12,15 @@ from .test_fp4_moe_op import LIMIT, SHAPES, _reference_f64_gpu, check_graph_repl
 
 INTERPRETER_SCRIPT = r"""
 import torch
+from dsv4_mtp_hf.ops.triton import persistent
 from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
 from tests.test_fp4_moe_op import make_experts, make_inputs, dense_f64, rel_err, LIMIT
 
 E, D, I = 6, 256, 128
 cfgs = [dict(gate_up=dict(BLOCK_N=16, BLOCK_K=64, STAGES=2, num_warps=4), down=dict(BLOCK_N=16, BLOCK_K=64, STAGES=3, num_warps=4)),
-        dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, STAGES=1, num_warps=4), down=dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, num_warps=4))]
+        dict(gate_up=dict(BLOCK_N=32, BLOCK_K=128, STAGES=1, num_warps=4), down=dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, num_warps=4)),
+        # both kernels in one launch (work counter, per-expert counts), tiles of different heights per phase
+        dict(fused=True, gate_up=dict(BLOCK_N=16, BLOCK_K=64, STAGES=2, num_warps=4), down=dict(BLOCK_N=32, BLOCK_K=128, STAGES=3, num_warps=4))]
 for fmt in ("nvfp4", "mxfp4"):
     W = make_experts(E, D, I, fmt, seed=3)
     for T, k in ((1, 4), (3, 2)):  # T=3, k=2 over 6 experts: some experts serve several tokens
@@ -30,6 +33,10 @@ for fmt in ("nvfp4", "mxfp4"):
             out = fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=conf)
             # the token sums in the down kernel (tickets, the default): the same bits as the sum kernel
             assert torch.equal(out, fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=dict(conf, ticket_sum=False)))
+            if cfg.get("fused"):  # the same bits as the two launches, the counters left at 0
+                two = dict(conf, stream=dict(cfg, fused=False))
+                assert torch.equal(out, fp4_moe_triton(x, ids, rw, *W, fmt, LIMIT, config=two))
+                assert int(persistent._BUFFERS[("fp4_moe_stream_queue", "cpu")].abs().sum()) == 0
             err = rel_err(out, want)
             assert not torch.isnan(out).any() and err < 1e-2, (fmt, T, k, i, err)
 print("OK")
@@ -37,8 +44,9 @@ print("OK")
 
 
 def test_stream_kernels_under_interpreter():
-    """Both kernels, both formats, pipeline depths 1-4 (the interpreter ignores the pipelining
-    but runs every index, decode and reduction as the GPU does), against float64."""
+    """Both kernels, both formats, pipeline depths 1-4, and the two as one launch (the interpreter ignores the
+    pipelining and runs the programs one after another, but runs every index, decode, reduction and counter as the
+    GPU does), against float64."""
     run_under_triton_interpreter(INTERPRETER_SCRIPT, timeout=900)
 
 
@@ -52,9 +60,12 @@ def test_stream_config_errors():
     W = make_experts(4, 256, 128, "nvfp4")
     x, ids, rw = make_inputs(1, 4, 2, 256)
     act, y = torch.empty(2, 128, dtype=torch.bfloat16), torch.empty(2, 256)
-    with pytest.raises(ValueError, match="BLOCK_K a power of two"):
-        launch_stream(x, ids.view(-1), rw.view(-1), *W, act, y, k=2, group_size=16, is_nv=True, limit=LIMIT,
-                      use_asm=False, fold=False, cfg=dict(gate_up=dict(BLOCK_K=48)))
+    for cfg, msg in ((dict(gate_up=dict(BLOCK_K=48)), "BLOCK_K a power of two"),
+                     (dict(fused=True, down=dict(num_warps=2)), "the same num_warps"),
+                     (dict(fused=True, fused_maxnreg=8), "fused_maxnreg None or 24..255")):
+        with pytest.raises(ValueError, match=msg):
+            launch_stream(x, ids.view(-1), rw.view(-1), *W, act, y, k=2, group_size=16, is_nv=True, limit=LIMIT,
+                          use_asm=False, fold=False, cfg=cfg)
 
 
 STREAM_CFGS = {
@@ -62,6 +73,9 @@ STREAM_CFGS = {
     "tma": dict(tma=True),
     "n16s4": dict(gate_up=dict(BLOCK_N=16, STAGES=4), down=dict(BLOCK_N=16, STAGES=4)),
     "tma_k256": dict(tma=True, gate_up=dict(BLOCK_K=256, STAGES=4), down=dict(BLOCK_K=256, STAGES=4)),
+    "fused": dict(fused=True),
+    "fused_r128_dn64": dict(fused=True, fused_maxnreg=128, down=dict(BLOCK_N=64)),
+    "fused_tma": dict(fused=True, tma=True),
 }
 
 
@@ -150,12 +164,51 @@ def test_ticket_sum_graph_captured_first():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True])
-def test_stream_path_cuda_graph_replay(tma):
+@pytest.mark.parametrize("scfg", [dict(tma=False), dict(tma=True), dict(fused=True)])
+def test_stream_path_cuda_graph_replay(scfg):
     from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
 
-    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=dict(tma=tma))
+    conf = dict(stream_min_tokens=1, stream_max_tokens=64, stream=scfg)
     check_graph_replay(lambda *a: fp4_moe_triton(*a, config=conf), "nvfp4", seed=21, replays=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_stream_equals_two_launches(T):
+    """One launch (``_fused_stream_kernel``) against the two kernels: the same bits, calls in a row on new inputs
+    and routings (the counters reset by the last program every time), and a graph captured before the counters
+    exist falls back to two launches and still replays correctly."""
+    from dsv4_mtp_hf.ops.triton import persistent
+    from dsv4_mtp_hf.ops.triton.fp4_moe_triton import fp4_moe_triton
+
+    E, D, I = SHAPES["flash"]
+    W = make_experts(E, D, I, "nvfp4", device="cuda", seed=T + 60)
+    fused = dict(stream_min_tokens=1, stream_max_tokens=64, stream=dict(fused=True))
+    two = dict(fused, stream=dict(fused=False))
+    key = ("fp4_moe_stream_queue", "cuda:0")
+    saved = persistent._BUFFERS.pop(key, None)
+    try:
+        x, ids, rw = make_inputs(T, E, 6, D, device="cuda", seed=T)
+        out = torch.empty_like(x)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out.copy_(fp4_moe_triton(x, ids, rw, *W, "nvfp4", LIMIT, config=fused))
+        assert key not in persistent._BUFFERS  # nothing allocated under capture: two launches recorded
+        for i in range(3):
+            x2, ids2, rw2 = make_inputs(T, E, 6, D, device="cuda", seed=T * 10 + i)
+            x.copy_(x2), ids.copy_(ids2), rw.copy_(rw2)
+            got = torch.full_like(x, float("nan"))
+            got.copy_(fp4_moe_triton(x, ids, rw, *W, "nvfp4", LIMIT, config=fused))
+            want = fp4_moe_triton(x, ids, rw, *W, "nvfp4", LIMIT, config=two)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want) and torch.equal(out, want), (T, i)
+            assert int(persistent._BUFFERS[key].abs().sum()) == 0
+    finally:
+        if saved is not None:
+            persistent._BUFFERS[key] = saved
 
 
 @pytest.mark.parametrize("fmt,T,config,want", [
@@ -211,9 +264,21 @@ for nv in (True, False):
                                                     "s_ptr": "*u8", "g_ptr": "*fp32", "act_ptr": "*bf16"}, dict(TOPK=6, LIMIT=10.0, NPASS=6)),
             ("down", st._down_stream_kernel, {"aw_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
                                               "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"},
-             dict(TOPK=6, TICKET=True))):  # with the token sums (moe_pairs._ticket_sum), as launched by default
-        c = cfg[kern]
-        consts = dict(common, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], STAGES=c["STAGES"], **extra)
+             dict(TOPK=6, TICKET=True)),  # with the token sums (moe_pairs._ticket_sum), as launched by default
+            ("fused", st._fused_stream_kernel,
+             {"xw_ptr": "*i32", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
+              "g13_ptr": "*fp32", "act_ptr": "*bf16", "aw_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8",
+              "g2_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32", "q_ptr": "*i32"},
+             dict(TOPK=6, LIMIT=10.0, NPASS=6, TICKET=True, w13_desc=None, w2_desc=None,
+                  **{f"{p}_{kk}": cfg[kind][v] for p, kind in (("GU", "gate_up"), ("DN", "down"))
+                     for kk, v in (("N", "BLOCK_N"), ("K", "BLOCK_K"), ("STAGES", "STAGES"))}))):
+        if kern == "fused":
+            consts = dict(common, **extra)
+            consts.pop("w_desc")
+            c = dict(num_warps=cfg["gate_up"]["num_warps"], maxnreg=cfg["fused_maxnreg"])
+        else:
+            c = cfg[kern]
+            consts = dict(common, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], STAGES=c["STAGES"], **extra)
         k = sc.compile_kernel(fn, ptrs, consts, c["num_warps"], c.get("maxnreg"))
         sass, use = sc.sass_of(k)
         assert use.get("LOCAL", 0) == 0 and use.get("STACK", 0) == 0, (kern, nv, use)  # no spills under the cap
@@ -225,7 +290,7 @@ print("OK")
 
 
 def test_stream_kernels_build_for_sm90():
-    """Offline sm_90 build (Triton's ptxas, no GPU) of the streamed gate/up and down kernels at
-    STREAM_CONFIG, both formats: no spills under their register caps (the down kernel's 80 fits one
+    """Offline sm_90 build (Triton's ptxas, no GPU) of the streamed gate/up and down kernels and the two as one
+    launch at STREAM_CONFIG, both formats: no spills under their register caps (the down kernel's 80 fits one
     wave of programs at T=1), the K loop still asynchronous copies."""
     run_under_triton_interpreter(COMPILE_SCRIPT, timeout=600)

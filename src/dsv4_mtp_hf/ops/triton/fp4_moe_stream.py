@@ -43,6 +43,7 @@ import triton.language as tl
 from .fp4_moe_gemv import _decode8, _pair_of_rank, _word_dot, _x_pair
 from .fp4_moe_triton import _decode_scale
 from .moe_pairs import _expert_rows, _ticket_sum, merged_config
+from .persistent import persistent_zeros
 from .pdl import launch_args, wait
 
 # BLOCK_N rows per program, BLOCK_K weights per K step, STAGES ring buffers, warps; "tma": the
@@ -58,6 +59,11 @@ STREAM_CONFIG = {
     "gate_up": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=None),
     "down": dict(BLOCK_N=32, BLOCK_K=512, STAGES=3, num_warps=4, maxnreg=80),
     "tma": False,
+    # "fused": both kernels as one launch (``_fused_stream_kernel``, a work counter and per-expert counts), capped
+    # at "fused_maxnreg" registers per thread; off by default (BENCHMARKS.md, fifteenth session: equal at T=1, NVFP4
+    # T=2 2-3 us faster with 64-row down tiles; its loads-only probe is slower than the two kernels')
+    "fused": False,
+    "fused_maxnreg": None,
 }
 
 
@@ -67,10 +73,10 @@ def stream_config(cfg: dict | None = None) -> dict:
 
 
 @triton.jit
-def _x_step(x_row, kk, HW: tl.constexpr):
+def _x_step(x_row, kk, HW: tl.constexpr, CG: tl.constexpr = False):
     """The activations of K step ``kk`` (4 HW int32 bf16-pair words, one contiguous load) as the
-    8 fp32 [1, HW] operands of ``_word_dot``: pair words 4j .. 4j+3 meet packed word j."""
-    xw = tl.load(x_row + kk * (4 * HW) + tl.arange(0, 4 * HW))
+    8 fp32 [1, HW] operands of ``_word_dot``: pair words 4j .. 4j+3 meet packed word j.  ``CG``: from L2."""
+    xw = tl.load(x_row + kk * (4 * HW) + tl.arange(0, 4 * HW), cache_modifier=".cg" if CG else "")
     ev, od = tl.split(tl.reshape(xw, (HW, 2, 2)))  # words 4j + 2h, 4j + 2h + 1
     w0, w2 = tl.split(ev)
     w1, w3 = tl.split(od)
@@ -108,6 +114,93 @@ def _tile_dot(pw, rsw, x8, BLOCK_N: tl.constexpr, HW: tl.constexpr, WPG: tl.cons
 
 
 @triton.jit
+def _gate_up_tile(xw_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr, e, offs, match, rank, count, pid_n,
+                  I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
+                  LIMIT: tl.constexpr, NPASS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr, TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr,
+                  PROBE: tl.constexpr):
+    """Gate/up rows ``pid_n * BLOCK_N ..`` of expert ``e`` for each of its ``count`` pairs -> ``act``."""
+    HW: tl.constexpr = BLOCK_K // 8  # packed int32 words per row per K step
+    WPG: tl.constexpr = G // 8  # words per scale group
+    NG: tl.constexpr = HW // WPG
+    NK: tl.constexpr = D // BLOCK_K
+    WROW: tl.constexpr = D // 8
+    NSC: tl.constexpr = D // G
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_g = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * 2I rows
+    row_u = row_g + I
+    gg = tl.load(g_ptr + 2 * e) * (9.223372036854775808e18 if FOLD else 1.0)
+    gu = tl.load(g_ptr + 2 * e + 1) * (9.223372036854775808e18 if FOLD else 1.0)
+    for ci in range(NPASS):
+        if ci < count:
+            p0 = _pair_of_rank(offs, match, rank, ci)
+            x0 = xw_ptr + (p0 // TOPK).to(tl.int64) * (D // 2)
+            acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+            if PROBE:
+                bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
+            for kk in tl.range(NK, num_stages=STAGES):
+                pg = _w_tile(w_ptr, w_desc, row_g, kk, HW, WROW, BLOCK_N, TMA)
+                pu = _w_tile(w_ptr, w_desc, row_u, kk, HW, WROW, BLOCK_N, TMA)
+                rsg = _s_tile(s_ptr, row_g, kk, NG, NSC, BLOCK_N)
+                rsu = _s_tile(s_ptr, row_u, kk, NG, NSC, BLOCK_N)
+                if PROBE:  # the same loads and pipeline, no FP4 math (benchmarks/moe_op.py)
+                    bits = bits ^ pg ^ pu
+                    acc_g += rsg.to(tl.float32) + rsu.to(tl.float32)
+                else:
+                    x8 = _x_step(x0, kk, HW)
+                    acc_g += _tile_dot(pg, rsg, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
+                    acc_u += _tile_dot(pu, rsu, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
+            if PROBE:
+                acc_u += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+            g = tl.minimum(tl.sum(acc_g, axis=1) * gg, LIMIT)
+            u = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1) * gu, -LIMIT), LIMIT)
+            a = g / (1.0 + tl.exp(-g)) * u * tl.load(rw_ptr + p0)
+            tl.store(act_ptr + p0.to(tl.int64) * I + n, a.to(tl.bfloat16))
+
+
+@triton.jit
+def _down_tile(aw_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr, out_ptr, tk_ptr, e, offs, match, rank, count, pid_n,
+               I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, G: tl.constexpr, IS_NV: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+               USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr, TICKET: tl.constexpr,
+               ACT_CG: tl.constexpr):
+    """Down rows ``pid_n * BLOCK_N ..`` of expert ``e`` for each of its ``count`` pairs -> ``y`` (and with
+    ``TICKET`` the token sums into ``out``).  ``ACT_CG``: ``act`` read from L2 (written by this grid)."""
+    HW: tl.constexpr = BLOCK_K // 8
+    WPG: tl.constexpr = G // 8
+    NG: tl.constexpr = HW // WPG
+    NK: tl.constexpr = I // BLOCK_K
+    WROW: tl.constexpr = I // 8
+    NSC: tl.constexpr = I // G
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = (e * D + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * D rows
+    gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
+    ci = count * 0
+    while ci < count:  # one pass per pair of the expert (a dynamic loop: with the ticket inside, a loop unrolled
+        # over the pair count spilled at the 80-register cap)
+        p0 = _pair_of_rank(offs, match, rank, ci)
+        a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
+        acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+        if PROBE:
+            bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
+        for kk in tl.range(NK, num_stages=STAGES):
+            pw = _w_tile(w_ptr, w_desc, row0, kk, HW, WROW, BLOCK_N, TMA)
+            rsw = _s_tile(s_ptr, row0, kk, NG, NSC, BLOCK_N)
+            if PROBE:
+                bits = bits ^ pw
+                acc += rsw.to(tl.float32)
+            else:
+                acc += _tile_dot(pw, rsw, _x_step(a0, kk, HW, ACT_CG), BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
+        if PROBE:
+            acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+        tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)
+        if TICKET:  # the token's last pair sums its k rows of this tile into out
+            _ticket_sum(y_ptr, out_ptr, tk_ptr, p0, pid_n, D // BLOCK_N, D, TOPK, BLOCK_N)
+        ci += 1
+
+
+@triton.jit
 def _gate_up_stream_kernel(
     xw_ptr, ids_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr,
     P, I: tl.constexpr, D: tl.constexpr,
@@ -117,47 +210,11 @@ def _gate_up_stream_kernel(
     PDL: tl.constexpr = False,
 ):
     wait(PDL)
-    pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, tl.program_id(0), P, PB)
     if earlier == 0:
-        HW: tl.constexpr = BLOCK_K // 8  # packed int32 words per row per K step
-        WPG: tl.constexpr = G // 8  # words per scale group
-        NG: tl.constexpr = HW // WPG
-        NK: tl.constexpr = D // BLOCK_K
-        WROW: tl.constexpr = D // 8
-        NSC: tl.constexpr = D // G
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_g = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * 2I rows
-        row_u = row_g + I
-        gg = tl.load(g_ptr + 2 * e) * (9.223372036854775808e18 if FOLD else 1.0)
-        gu = tl.load(g_ptr + 2 * e + 1) * (9.223372036854775808e18 if FOLD else 1.0)
-        for ci in range(NPASS):
-            if ci < count:
-                p0 = _pair_of_rank(offs, match, rank, ci)
-                x0 = xw_ptr + (p0 // TOPK).to(tl.int64) * (D // 2)
-                acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-                acc_u = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-                if PROBE:
-                    bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
-                for kk in tl.range(NK, num_stages=STAGES):
-                    pg = _w_tile(w_ptr, w_desc, row_g, kk, HW, WROW, BLOCK_N, TMA)
-                    pu = _w_tile(w_ptr, w_desc, row_u, kk, HW, WROW, BLOCK_N, TMA)
-                    rsg = _s_tile(s_ptr, row_g, kk, NG, NSC, BLOCK_N)
-                    rsu = _s_tile(s_ptr, row_u, kk, NG, NSC, BLOCK_N)
-                    if PROBE:  # the same loads and pipeline, no FP4 math (benchmarks/moe_op.py)
-                        bits = bits ^ pg ^ pu
-                        acc_g += rsg.to(tl.float32) + rsu.to(tl.float32)
-                    else:
-                        x8 = _x_step(x0, kk, HW)
-                        acc_g += _tile_dot(pg, rsg, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
-                        acc_u += _tile_dot(pu, rsu, x8, BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
-                if PROBE:
-                    acc_u += tl.sum(bits, axis=1).to(tl.float32)[:, None]
-                g = tl.minimum(tl.sum(acc_g, axis=1) * gg, LIMIT)
-                u = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1) * gu, -LIMIT), LIMIT)
-                a = g / (1.0 + tl.exp(-g)) * u * tl.load(rw_ptr + p0)
-                tl.store(act_ptr + p0.to(tl.int64) * I + n, a.to(tl.bfloat16))
+        _gate_up_tile(xw_ptr, rw_ptr, w_ptr, w_desc, s_ptr, g_ptr, act_ptr, e, offs, match, rank, count, pid_n, I, D,
+                      TOPK, G, IS_NV, LIMIT, NPASS, BLOCK_N, BLOCK_K, STAGES, TMA, USE_ASM, FOLD, PROBE)
 
 
 @triton.jit
@@ -170,41 +227,81 @@ def _down_stream_kernel(
     TICKET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait(PDL)
-    pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, tl.program_id(0), P, PB)
+    if earlier == 0:
+        _down_tile(aw_ptr, w_ptr, w_desc, s_ptr, g_ptr, y_ptr, out_ptr, tk_ptr, e, offs, match, rank, count, pid_n,
+                   I, D, TOPK, G, IS_NV, BLOCK_N, BLOCK_K, STAGES, TMA, USE_ASM, FOLD, PROBE, TICKET, False)
+
+
+# The poll of ``_wait_count``: 256 ns of sleep, then an acquire load of the count (0, 64 and 1000 ns measured the
+# same, BENCHMARKS.md: the waiting programs are not what the fused kernel loses time to).
+SPIN_ASM = tl.constexpr("nanosleep.u32 256; ld.acquire.gpu.global.b32 $0, [$1];")
+
+
+@triton.jit
+def _wait_count(ptr, target, USE_ASM: tl.constexpr):
+    """Block until ``*ptr >= target`` (a count other programs raise with release atomics).  Every thread polls
+    with a plain acquire load, not a read-modify-write on the hot line, and sleeps between polls (``SPIN_ASM``)
+    so that the waiting warps leave the SM's issue slots to the programs they wait for."""
+    if USE_ASM:
+        a = ptr.to(tl.int64, bitcast=True)
+        c = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [a], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        while c < target:
+            c = tl.inline_asm_elementwise(SPIN_ASM, "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+    else:
+        while tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
+            pass
+
+
+@triton.jit
+def _fused_stream_kernel(
+    xw_ptr, ids_ptr, rw_ptr, w13_ptr, w13_desc, s13_ptr, g13_ptr, act_ptr, aw_ptr,
+    w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, out_ptr, tk_ptr, q_ptr,
+    P, I: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr, G: tl.constexpr,
+    IS_NV: tl.constexpr, LIMIT: tl.constexpr, NPASS: tl.constexpr,
+    GU_N: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
+    DN_N: tl.constexpr, DN_K: tl.constexpr, DN_STAGES: tl.constexpr,
+    TMA: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr = False,
+    TICKET: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """Gate/up and down in one launch, one tile per program: P * I / GU_N gate/up tiles, then P * D / DN_N
+    down tiles (pair-major).  A program takes the next tile from a work counter (``q[0]``), not from its
+    program id, so every down tile is taken only after every gate/up tile has been taken by a running
+    program: a down tile's wait for its expert's gate/up tiles (``q[2 + pair]``, one count per finished
+    tile) always ends, whatever order or residency the hardware gives the programs.  The last program to
+    finish (``q[1]``) resets the counters for the next call or graph replay.  Why: the down tiles of the
+    first experts run while the last experts' gate/up tiles still stream (no drain and ramp between two
+    grids)."""
+    wait(PDL)
+    NGU: tl.constexpr = I // GU_N
+    NDN: tl.constexpr = D // DN_N
+    ngu = P * NGU
+    tile = tl.atomic_add(q_ptr, 1, sem="relaxed", scope="gpu")
+    gu_tile = tile < ngu
+    t = tl.where(gu_tile, tile, tile - ngu)
+    pid_p = tl.where(gu_tile, t // NGU, t // NDN)
+    pid_n = tl.where(gu_tile, t % NGU, t % NDN)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
-        HW: tl.constexpr = BLOCK_K // 8
-        WPG: tl.constexpr = G // 8
-        NG: tl.constexpr = HW // WPG
-        NK: tl.constexpr = I // BLOCK_K
-        WROW: tl.constexpr = I // 8
-        NSC: tl.constexpr = I // G
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row0 = (e * D + pid_n * BLOCK_N).to(tl.int32)  # < 2**31: E * D rows
-        gw = tl.load(g_ptr + e) * (9.223372036854775808e18 if FOLD else 1.0)
-        ci = count * 0
-        while ci < count:  # one pass per pair of the expert (a dynamic loop: with the ticket inside, a loop unrolled
-            # over the pair count spilled at the 80-register cap)
-            p0 = _pair_of_rank(offs, match, rank, ci)
-            a0 = aw_ptr + p0.to(tl.int64) * (I // 2)
-            acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-            if PROBE:
-                bits = tl.zeros((BLOCK_N, HW), dtype=tl.int32)
-            for kk in tl.range(NK, num_stages=STAGES):
-                pw = _w_tile(w_ptr, w_desc, row0, kk, HW, WROW, BLOCK_N, TMA)
-                rsw = _s_tile(s_ptr, row0, kk, NG, NSC, BLOCK_N)
-                if PROBE:
-                    bits = bits ^ pw
-                    acc += rsw.to(tl.float32)
-                else:
-                    acc += _tile_dot(pw, rsw, _x_step(a0, kk, HW), BLOCK_N, HW, WPG, IS_NV, USE_ASM, FOLD)
-            if PROBE:
-                acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
-            tl.store(y_ptr + p0.to(tl.int64) * D + n, tl.sum(acc, axis=1) * gw)
-            if TICKET:  # the token's last pair sums its k rows of this tile into out
-                _ticket_sum(y_ptr, out_ptr, tk_ptr, p0, pid_n, D // BLOCK_N, D, TOPK, BLOCK_N)
-            ci += 1
+        done = q_ptr + 2 + pid_p
+        if gu_tile:
+            _gate_up_tile(xw_ptr, rw_ptr, w13_ptr, w13_desc, s13_ptr, g13_ptr, act_ptr, e, offs, match, rank, count,
+                          pid_n, I, D, TOPK, G, IS_NV, LIMIT, NPASS, GU_N, GU_K, GU_STAGES, TMA, USE_ASM, FOLD,
+                          PROBE)
+            tl.debug_barrier()  # every thread's act stores precede the count, which releases them at gpu scope
+            tl.atomic_add(done, 1, sem="release", scope="gpu")
+        else:
+            _wait_count(done, NGU, USE_ASM)
+            _down_tile(aw_ptr, w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, out_ptr, tk_ptr, e, offs, match, rank, count,
+                       pid_n, I, D, TOPK, G, IS_NV, DN_N, DN_K, DN_STAGES, TMA, USE_ASM, FOLD, PROBE, TICKET, True)
+    tl.debug_barrier()
+    if tl.atomic_add(q_ptr + 1, 1, sem="acq_rel", scope="gpu") == ngu + P * NDN - 1:  # the last: reset
+        pc = tl.arange(0, PB)
+        tl.store(q_ptr + 2 + pc, 0, mask=pc < P)
+        tl.store(q_ptr + tl.arange(0, 2), 0)
 
 
 def stream_supports(hidden: int, intermediate: int, cfg: dict | None = None) -> bool:
@@ -226,7 +323,9 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
                   is_nv, limit, use_asm, fold, cfg, only=None, out=None, tickets=None):
     """Gate/up and down streamed GEMV kernels into ``act`` and ``y``; with ``out`` and ``tickets``
     (``moe_pairs.sum_tickets``) the down kernel also sums each token's rows into ``out``, else the
-    sum kernel is the caller's."""
+    sum kernel is the caller's.  With ``cfg["fused"]`` (and ``only`` None) both run as one launch,
+    ``_fused_stream_kernel`` (two launches while a CUDA graph is captured before any eager call allocated its
+    counters)."""
     p = ids.numel()
     t, d = x.shape
     inter = act.shape[1]
@@ -238,6 +337,11 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
                 (c.get("maxnreg") is not None and not 24 <= c["maxnreg"] <= 255):
             raise ValueError(f"stream config {c}: BLOCK_K a power of two >= 64 and a multiple of {group_size}, "
                              "BLOCK_N a power of two, STAGES >= 1, maxnreg None or 24..255.")
+    if cfg["fused_maxnreg"] is not None and not 24 <= cfg["fused_maxnreg"] <= 255:
+        raise ValueError(f"stream config: fused_maxnreg None or 24..255, got {cfg['fused_maxnreg']}.")
+    if cfg["fused"] and gu["num_warps"] != dn["num_warps"]:
+        raise ValueError(f"fused stream kernel: gate_up and down need the same num_warps, got {gu['num_warps']} "
+                         f"and {dn['num_warps']}.")
     if not stream_supports(d, inter, cfg):
         raise ValueError(f"D={d} / I={inter} must be multiples of the stream blocks {gu} / {dn}.")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -253,6 +357,23 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     def regs(c):  # the interpreter takes no register cap
         return {"maxnreg": int(c["maxnreg"])} if c.get("maxnreg") and not interp else {}
 
+    ticket = out is not None and tickets is not None
+    queue = None
+    if cfg["fused"] and only is None:
+        queue = persistent_zeros("fp4_moe_stream_queue", x.device, 2 + pb, torch.int32)  # None: captured first
+    if queue is not None:
+        d13 = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
+        d2 = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
+        fr = cfg["fused_maxnreg"]
+        _fused_stream_kernel[(p * (inter // gu["BLOCK_N"] + d // dn["BLOCK_N"]),)](
+            x.view(torch.int32), ids, rw, w13w, d13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
+            act.view(torch.int32), w2w, d2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, out if ticket else y,
+            tickets if ticket else ids, queue,
+            p, inter, d, TOPK=k, LIMIT=float(limit), NPASS=p, GU_N=gu["BLOCK_N"], GU_K=gu["BLOCK_K"],
+            GU_STAGES=gu["STAGES"], DN_N=dn["BLOCK_N"], DN_K=dn["BLOCK_K"], DN_STAGES=dn["STAGES"], TICKET=ticket,
+            num_warps=gu["num_warps"], **regs({"maxnreg": fr}), **common,
+        )
+        return
     if only in (None, "gate_up"):
         desc = _descriptor(w13w, gu["BLOCK_N"], gu["BLOCK_K"] // 8) if tma else None
         _gate_up_stream_kernel[(p, inter // gu["BLOCK_N"])](
@@ -263,7 +384,6 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
         )
     if only in (None, "down"):
         desc = _descriptor(w2w, dn["BLOCK_N"], dn["BLOCK_K"] // 8) if tma else None
-        ticket = out is not None and tickets is not None
         _down_stream_kernel[(p, d // dn["BLOCK_N"])](
             act.view(torch.int32), ids, w2w, desc, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
             out if ticket else y, tickets if ticket else ids,
