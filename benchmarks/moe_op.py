@@ -533,14 +533,6 @@ SWEEP = {
            ("hm_st_n2_r96_pr", dict(prefetch=0, probe=True, maxnreg=96, gate_up=dict(nsub=2), down=dict(nsub=2)), None),
            ("hm_st_n2_r96_tf_pr", dict(prefetch=0, probe=True, maxnreg=96, tiles_first=True, gate_up=dict(nsub=2),
                                        down=dict(nsub=2)), None),
-           # sg2 = "segments" 2: two lane groups per row (a warp instruction reads 4 rows x 128 bytes instead of 8 x 64),
-           # one token per pass; n4 = nsub 4; s2 = 2 stages; w8 = 8 warps (32 rows per program); rN register cap; _pr probe
-           *((f"hm_sg2{tag}{pt}", dict(prefetch=0, maxnreg=r, stages=st, gate_up=dict(nsub=ns, segments=2, num_warps=nw),
-                                       down=dict(nsub=ns, segments=2, num_warps=nw), **({"probe": True} if pt else {})),
-              None)
-             for tag, ns, st, nw, r in (("_r80", 2, 3, 4, 80), ("_s2_r80", 2, 2, 4, 80), ("_w8", 2, 3, 8, 128),
-                                        ("n4_s2_r80", 4, 2, 4, 80), ("n4_w8", 4, 2, 8, 128))
-             for pt in ("", "_pr")),
            ("hm_st_w8k2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=8, ksplit=2), down=dict(nsub=4, num_warps=8, ksplit=2)), None),
            ("hm_st_w2", dict(prefetch=0, gate_up=dict(nsub=4, num_warps=2), down=dict(nsub=4, num_warps=2)), None),
            ("hm_st_gu", dict(prefetch=0, gate_up=dict(nsub=4), down=dict(nsub=4)), "gate_up"),

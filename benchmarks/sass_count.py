@@ -119,12 +119,12 @@ def hmma_kernel_args(kern: str, D: int, I: int, nv: bool, cfg: dict, topk: int =
 
     gu = kern == "gate_up"
     c = cfg[kern]
-    nw, ks, ns, sg = c["num_warps"], c["ksplit"], c["nsub"], c.get("segments", 1)
+    nw, ks, ns = c["num_warps"], c["ksplit"], c["nsub"]
     K = D if gu else I
-    wld, sld, xld = hm.load_asms(kern, K, I if gu else 8 // sg * (nw // ks), nv, cfg)
+    wld, sld, xld = hm.load_asms(kern, K, I if gu else 8 * (nw // ks), nv, cfg)
     consts = dict(I=I, D=D, PB=pb, IS_NV=nv, NW=nw, KSPLIT=ks, NSUB=ns, PF=cfg["prefetch"], WLD=wld, SLD=sld, XLD=xld,
                   USE_ASM=True, STAGES=cfg.get("stages", 3), SHARE=bool(cfg.get("share", False)),
-                  TILES_FIRST=bool(cfg.get("tiles_first", False)), PROBE=bool(cfg.get("probe", False)), SEG=sg)
+                  TILES_FIRST=bool(cfg.get("tiles_first", False)), PROBE=bool(cfg.get("probe", False)))
     if gu:
         ptrs = {"xh_ptr": "*fp16", "xs_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                 "g_ptr": "*fp32", "act_ptr": "*fp16"}
@@ -133,7 +133,7 @@ def hmma_kernel_args(kern: str, D: int, I: int, nv: bool, cfg: dict, topk: int =
         ptrs = {"act_ptr": "*fp16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8",
                 "g_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16", "tk_ptr": "*i32"}
         consts.update(YSCALE=32.0, TOPK=topk, TICKET=True)  # the token sums in the kernel, as launched by default
-    nit = K // (32 * 4 * ks * sg * ns)
+    nit = K // (32 * 4 * ks * ns)
     pf1 = cfg["prefetch"] == 1  # the K loop unrolled by two
     return (hm._gate_up_hmma_kernel if gu else hm._down_hmma_kernel, ptrs, consts, nw, (2 if pf1 else 1) * ns * 64,
             2 * K // (4 * ks), nit // 2 if pf1 else nit)

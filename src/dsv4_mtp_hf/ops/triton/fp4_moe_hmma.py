@@ -189,14 +189,12 @@ def hmma_supports(hidden: int, intermediate: int, cfg: dict | None = None, limit
     gu, dn = cfg["gate_up"], cfg["down"]
     ok = act_prescale(limit) is not None
     for c, k, rows, n in ((gu, hidden, 8, intermediate), (dn, intermediate, 16, hidden)):
-        nw, ks, ns, sg = c["num_warps"], c["ksplit"], c["nsub"], c.get("segments", 1)
+        nw, ks, ns = c["num_warps"], c["ksplit"], c["nsub"]
         # K: whole iterations, an even number of them where the K loop is unrolled by two (prefetch 1, 2)
         unroll = 1 if cfg["prefetch"] == 0 else 2
-        # segments 2 (two lane groups per row, one token per pass): the staged loop only
-        ok = ok and sg in (1, 2) and (sg == 1 or cfg["prefetch"] == 0)
-        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * sg * ns) == 0 and n % (rows // sg * (nw // ks)) == 0
+        ok = ok and nw % ks == 0 and k % (unroll * 32 * 4 * ks * ns) == 0 and n % (rows * (nw // ks)) == 0
         if cfg["prefetch"] == 0:  # the scale window (KL NSUB SB bytes) in whole 16-byte copies
-            ok = ok and (4 * ks * sg * ns * (2 if is_nv else 1)) % 16 == 0
+            ok = ok and (4 * ks * ns * (2 if is_nv else 1)) % 16 == 0
         if cfg.get("share"):  # one activation copy per program: staged, and every warp on the same K
             ok = ok and cfg["prefetch"] == 0 and ks == 1
     return ok
@@ -206,7 +204,7 @@ def load_asms(kind: str, k: int, n_rows_b: int, is_nv: bool, cfg: dict):
     """The load asm strings of one kernel: (weights, scales, activations).  ``k``: the K of the
     matrix; ``n_rows_b``: rows from row a to row b."""
     c = cfg[kind]
-    kl, ns = 4 * c["ksplit"] * c.get("segments", 1), c["nsub"]
+    kl, ns = 4 * c["ksplit"], c["nsub"]
     hb, sr, sb = k // 2, k // (16 if is_nv else 32), 2 if is_nv else 1
     w = ldg_asm([j * 16 * kl for j in range(ns)] + [n_rows_b * hb + j * 16 * kl for j in range(ns)],
                 hint=cfg.get("w_hint", ""))
@@ -677,30 +675,17 @@ def _k_loop(wa, s_ptr, soff, kl, xb, xoff, feed, NIT: tl.constexpr, ROWB: tl.con
 
 
 @triton.jit
-def _rows_sum(c, RG: tl.constexpr, KSPLIT: tl.constexpr, SEG: tl.constexpr = 1):
-    """[NT] per-lane partial sums -> [8 RG / SEG] per row (over the 4 lanes, SEG lane groups and KSPLIT warps of a
-    row)."""
-    RW: tl.constexpr = 8 // SEG
-    v = tl.sum(tl.sum(tl.reshape(c, (RG, KSPLIT, RW, SEG, 4)), axis=4), axis=3)
-    return tl.reshape(tl.sum(v, axis=1), (RW * RG,))
+def _rows_sum(c, RG: tl.constexpr, KSPLIT: tl.constexpr):
+    """[NT] per-lane partial sums -> [8 RG] per row (over the 4 lanes and KSPLIT warps of a row)."""
+    return tl.reshape(tl.sum(tl.sum(tl.reshape(c, (RG, KSPLIT, 8, 4)), axis=3), axis=1), (8 * RG,))
 
 
 @triton.jit
-def _own(acc, i: tl.constexpr, h: tl.constexpr, g, SEG: tl.constexpr):
-    """The lane's value of row i (0: a, 1: b): token h's (SEG 1: B column 2q + h) or, with SEG 2 (one token),
-    the lane's own segment's (column 2q + g % 2); c0 / c1 for row a, c2 / c3 for row b."""
-    if SEG == 1:
-        return acc[2 * i + h]
-    else:
-        return tl.where(g % 2 == 0, acc[2 * i], acc[2 * i + 1])
-
-
-@triton.jit
-def _b_row(pairs8, g, c0r, count, ZROW, q, DIV: tl.constexpr, SEG: tl.constexpr = 1):
+def _b_row(pairs8, g, c0r, count, ZROW, q, DIV: tl.constexpr):
     """Row of the activation buffer this lane feeds as B: token (DIV = TOPK) or pair (DIV = 1)
-    of rank c0r + g % 2 (SEG 1; with SEG 2 rank c0r: column g is segment g % 2 of the one token) if the lane is
-    column g's feeder (q == g // 2) and the rank exists, else the zero row."""
-    h = g % 2 if SEG == 1 else g * 0
+    of rank c0r + g % 2 if the lane is column g's feeder (q == g // 2) and the rank exists, else
+    the zero row."""
+    h = g % 2
     src = _pick(pairs8, h) // DIV
     return tl.where((q == g // 2) & (c0r + h < count), src, ZROW).to(tl.int64)
 
@@ -717,7 +702,7 @@ def _gate_up_hmma_kernel(
     LIMIT: tl.constexpr, ASCALE: tl.constexpr, NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr,
     PF: tl.constexpr, WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr,
     STAGES: tl.constexpr = 3, SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False,
-    PROBE: tl.constexpr = False, SEG: tl.constexpr = 1,
+    PROBE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait(PDL)
@@ -725,15 +710,13 @@ def _gate_up_hmma_kernel(
     pid_n = tl.program_id(0 if TILES_FIRST else 1)
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
-        RG: tl.constexpr = NW // KSPLIT  # warps per K slice
-        RW: tl.constexpr = 8 // SEG  # rows (gate row + up row) per warp: SEG lane groups per row
-        KL: tl.constexpr = 4 * KSPLIT * SEG  # lane slots per row
-        TOKS: tl.constexpr = 2 // SEG  # tokens per pass
+        RG: tl.constexpr = NW // KSPLIT  # lane groups (gate row + up row) per K slice
+        KL: tl.constexpr = 4 * KSPLIT  # lane slots per row
         HB: tl.constexpr = D // 2  # bytes per weight row
         SR: tl.constexpr = D // (16 if IS_NV else 32)  # scale bytes per row
         wid, g, q = _lanes(NW)
-        kl = ((wid % KSPLIT) * SEG + g % SEG) * 4 + q
-        n = pid_n * (RW * RG) + (wid // KSPLIT) * RW + g // SEG
+        kl = (wid % KSPLIT) * 4 + q
+        n = pid_n * (8 * RG) + (wid // KSPLIT) * 8 + g
         row = e * (2 * I) + n.to(tl.int64)
         # lane slot kl's K: chunks kl, kl + KL, ... (16 bytes each); its scales at kl (SB bytes each), or in the
         # staged loop the row's window (every lane slot's, from the row's start)
@@ -742,28 +725,26 @@ def _gate_up_hmma_kernel(
         soff = row * SR + kl * SOFF
         gg = tl.load(g_ptr + 2 * e) * 16384.0  # undoes the decode's 2**-14
         gu = tl.load(g_ptr + 2 * e + 1) * 16384.0
-        no = pid_n * (RW * RG) + tl.arange(0, RW * RG)  # rows of the reduced result
+        no = pid_n * (8 * RG) + tl.arange(0, 8 * RG)  # rows of the reduced result
         T = P // TOPK
         c0r = count * 0
-        while c0r < count:  # passes of TOKS tokens (ranks c0r, c0r + 1)
+        while c0r < count:  # passes of 2 tokens (ranks c0r, c0r + 1)
             pairs8 = _rank_pairs(offs, match, rank, c0r)
-            brow = _b_row(pairs8, g, c0r, count, T, q, TOPK, SEG)
+            brow = _b_row(pairs8, g, c0r, count, T, q, TOPK)
             acc = _k_loop(wa, s_ptr, soff, kl, xh_ptr, brow * D + kl * 32, brow != T, D // (32 * KL * NSUB), I * HB,
                           I * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE, PROBE)
-            for h in tl.static_range(TOKS):
+            for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
                 tok = pair // TOPK
                 s_t = tl.load(xs_ptr + tok)
                 undo = ((127 - s_t) << 23).to(tl.float32, bitcast=True)  # 2**-s, s in [-120, 120]
-                ca = _own(acc, 0, h, g, SEG)
-                cb = _own(acc, 1, h, g, SEG)
-                gv = tl.minimum(_rows_sum(ca, RG, KSPLIT, SEG) * undo * gg, LIMIT)
-                uv = _rows_sum(cb, RG, KSPLIT, SEG) * undo * gu
+                gv = tl.minimum(_rows_sum(acc[h], RG, KSPLIT) * undo * gg, LIMIT)
+                uv = _rows_sum(acc[2 + h], RG, KSPLIT) * undo * gu
                 uv = tl.minimum(tl.maximum(uv, -LIMIT), LIMIT)
                 a = gv / (1.0 + tl.exp(-gv)) * uv * ASCALE  # 2**SA
                 tl.store(act_ptr + pair.to(tl.int64) * I + _pair_pos(no), a.to(tl.float16), mask=ok)
-            c0r += TOKS
+            c0r += 2
 
 
 @triton.jit
@@ -773,7 +754,7 @@ def _down_hmma_kernel(
     NW: tl.constexpr, KSPLIT: tl.constexpr, NSUB: tl.constexpr, PF: tl.constexpr,
     WLD: tl.constexpr, SLD: tl.constexpr, XLD: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr = 3,
     SHARE: tl.constexpr = False, TILES_FIRST: tl.constexpr = False, PROBE: tl.constexpr = False,
-    TOPK: tl.constexpr = 1, TICKET: tl.constexpr = False, SEG: tl.constexpr = 1,
+    TOPK: tl.constexpr = 1, TICKET: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait(PDL)
@@ -782,42 +763,38 @@ def _down_hmma_kernel(
     e, offs, match, rank, count, earlier = _expert_rows(ids_ptr, pid_p, P, PB)
     if earlier == 0:
         RG: tl.constexpr = NW // KSPLIT
-        RW: tl.constexpr = 8 // SEG  # rows a (and as many rows b) per warp
-        KL: tl.constexpr = 4 * KSPLIT * SEG
-        TOKS: tl.constexpr = 2 // SEG
+        KL: tl.constexpr = 4 * KSPLIT
         HB: tl.constexpr = I // 2
         SR: tl.constexpr = I // (16 if IS_NV else 32)
         wid, g, q = _lanes(NW)
-        kl = ((wid % KSPLIT) * SEG + g % SEG) * 4 + q
-        r1 = pid_n * (2 * RW * RG) + (wid // KSPLIT) * RW + g // SEG  # output rows r1 (a) and r1 + RW RG (b)
+        kl = (wid % KSPLIT) * 4 + q
+        r1 = pid_n * (16 * RG) + (wid // KSPLIT) * 8 + g  # output rows r1 (a) and r1 + 8 RG (b)
         row = e * D + r1.to(tl.int64)
         SOFF: tl.constexpr = 0 if PF == 0 else (2 if IS_NV else 1)  # as in the gate/up kernel
         wa = w_ptr + row * HB + kl * 16
         soff = row * SR + kl * SOFF
         gw = tl.load(g_ptr + e) * YSCALE  # 2**(14 - SA): undoes the decode's 2**-14 and act's 2**SA
-        ro = pid_n * (2 * RW * RG) + tl.arange(0, RW * RG)
+        ro = pid_n * (16 * RG) + tl.arange(0, 8 * RG)
         c0r = count * 0
         while c0r < count:
             pairs8 = _rank_pairs(offs, match, rank, c0r)
-            brow = _b_row(pairs8, g, c0r, count, P, q, 1, SEG)
+            brow = _b_row(pairs8, g, c0r, count, P, q, 1)
             acc = _k_loop(wa, s_ptr, soff, kl, act_ptr, brow * I + kl * 32, brow != P, I // (32 * KL * NSUB),
-                          RW * RG * HB, RW * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE,
+                          8 * RG * HB, 8 * RG * SR, KL, NSUB, PF, IS_NV, NW, WLD, SLD, XLD, USE_ASM, STAGES, SHARE,
                           PROBE)
-            for h in tl.static_range(TOKS):
+            for h in tl.static_range(2):
                 pair = _pair_of(pairs8, h)
                 ok = c0r + h < count
                 f = tl.load(rw_ptr + pair, mask=ok, other=0.0) * gw  # routing weight after w2 (fp32)
                 dst = y_ptr + pair.to(tl.int64) * D + ro
-                ca = _own(acc, 0, h, g, SEG)
-                cb = _own(acc, 1, h, g, SEG)
-                tl.store(dst, _rows_sum(ca, RG, KSPLIT, SEG) * f, mask=ok)
-                tl.store(dst + RW * RG, _rows_sum(cb, RG, KSPLIT, SEG) * f, mask=ok)
-            if TICKET:  # each token's last pair sums its k rows of this 2 RW RG-row tile into out
-                for h in tl.static_range(TOKS):
+                tl.store(dst, _rows_sum(acc[h], RG, KSPLIT) * f, mask=ok)
+                tl.store(dst + 8 * RG, _rows_sum(acc[2 + h], RG, KSPLIT) * f, mask=ok)
+            if TICKET:  # each token's last pair sums its k rows of this 16 RG-row tile into out
+                for h in tl.static_range(2):
                     if c0r + h < count:
-                        _ticket_sum(y_ptr, out_ptr, tk_ptr, _pair_of(pairs8, h), pid_n, D // (2 * RW * RG), D, TOPK,
-                                    2 * RW * RG)
-            c0r += TOKS
+                        _ticket_sum(y_ptr, out_ptr, tk_ptr, _pair_of(pairs8, h), pid_n, D // (16 * RG), D, TOPK,
+                                    16 * RG)
+            c0r += 2
 
 
 def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, *, k, group_size, is_nv,
@@ -871,23 +848,23 @@ def launch_hmma(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
         _x_f16_kernel[(t + 1,)](x, xh, xs, act16, t, p, d, inter, DP=triton.next_power_of_2(d),
                                 IP=triton.next_power_of_2(inter), num_warps=4,
                                 **{kk: v for kk, v in regs.items() if kk != "maxnreg"})
-        nw, ks, sg = gu["num_warps"], gu["ksplit"], gu.get("segments", 1)
+        nw, ks = gu["num_warps"], gu["ksplit"]
         wld, sld, xld = load_asms("gate_up", d, inter, is_nv, cfg)
-        _gate_up_hmma_kernel[grid(p, inter // (8 // sg * nw // ks))](
+        _gate_up_hmma_kernel[grid(p, inter // (8 * nw // ks))](
             xh, xs, ids, w13.view(torch.uint8), w13_scale.view(torch.uint8), w13_global.float().contiguous(), act16, p,
             inter, d, TOPK=k, PB=pb, IS_NV=is_nv, LIMIT=float(limit), ASCALE=2.0**sa, NW=nw, KSPLIT=ks,
             NSUB=gu["nsub"], PF=pf,
             WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
-            SEG=sg, num_warps=nw, num_stages=1, **regs,
+            num_warps=nw, num_stages=1, **regs,
         )
     if only in (None, "down"):
-        nw, ks, sg = dn["num_warps"], dn["ksplit"], dn.get("segments", 1)
-        wld, sld, xld = load_asms("down", inter, 8 // sg * (nw // ks), is_nv, cfg)
+        nw, ks = dn["num_warps"], dn["ksplit"]
+        wld, sld, xld = load_asms("down", inter, 8 * (nw // ks), is_nv, cfg)
         ticket = out is not None and tickets is not None
-        _down_hmma_kernel[grid(p, d // (16 // sg * nw // ks))](
+        _down_hmma_kernel[grid(p, d // (16 * nw // ks))](
             act16, ids, rw, w2.view(torch.uint8), w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
             out if ticket else y, tickets if ticket else ids, p,
             inter, d, PB=pb, IS_NV=is_nv, YSCALE=2.0 ** (14 - sa), NW=nw, KSPLIT=ks, NSUB=dn["nsub"], PF=pf,
             WLD=wld, SLD=sld, XLD=xld, USE_ASM=use_asm, STAGES=stages, SHARE=share, TILES_FIRST=tf, PROBE=probe,
-            TOPK=k, TICKET=ticket, SEG=sg, num_warps=nw, num_stages=1, **regs,
+            TOPK=k, TICKET=ticket, num_warps=nw, num_stages=1, **regs,
         )
