@@ -29,7 +29,8 @@ Kernels (fixed grids per T, CUDA-graph safe, no host sync; PDL like the default 
 (P, D / BLOCK_N) -> ``y [P, D]`` fp32 and, with tickets, the token sums (``moe_pairs._ticket_sum``: the last of a
 token's pairs per row tile; else ``moe_pairs._sum_kernel``, the caller's).  Leader
 program per expert (``moe_pairs._expert_rows``), one token per pass: an expert with several
-tokens re-reads its rows (from L2), so this path is for decode sizes.
+tokens re-reads its rows (from L2), so this path is for decode sizes.  Opt-in (``fused``):
+``_fused_stream_kernel`` runs both as one launch, a down tile waiting on its expert's gate/up count.
 """
 
 from __future__ import annotations
@@ -367,8 +368,8 @@ def launch_stream(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
         fr = cfg["fused_maxnreg"]
         _fused_stream_kernel[(p * (inter // gu["BLOCK_N"] + d // dn["BLOCK_N"]),)](
             x.view(torch.int32), ids, rw, w13w, d13, w13_scale.view(torch.uint8), w13_global.float().contiguous(), act,
-            act.view(torch.int32), w2w, d2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y, out if ticket else y,
-            tickets if ticket else ids, queue,
+            act.view(torch.int32), w2w, d2, w2_scale.view(torch.uint8), w2_global.float().contiguous(), y,
+            out if ticket else y, tickets if ticket else ids, queue,
             p, inter, d, TOPK=k, LIMIT=float(limit), NPASS=p, GU_N=gu["BLOCK_N"], GU_K=gu["BLOCK_K"],
             GU_STAGES=gu["STAGES"], DN_N=dn["BLOCK_N"], DN_K=dn["BLOCK_K"], DN_STAGES=dn["STAGES"], TICKET=ticket,
             num_warps=gu["num_warps"], **regs({"maxnreg": fr}), **common,
