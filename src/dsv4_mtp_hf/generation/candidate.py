@@ -59,6 +59,11 @@ class MtpCandidateGenerator(CandidateGenerator):
         self.last_drafted = 0
         self.last_input_length = None
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Drafts per round (transformers >= 5.25 sizes the target cache's past recording with it)."""
+        return self.num_assistant_tokens
+
     # -- drafting -----------------------------------------------------------------------------
     def _make_drafter(self):
         mode, k = self.fast_drafts, self.num_assistant_tokens

@@ -98,8 +98,9 @@ class _SlidingHistoryMixin:
         self._v_tail: torch.Tensor | None = None  # None when K is V (always the case in V4)
 
     # --- transformers' layer API -------------------------------------------------------------------------------------
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         # History is always kept (bounded by max_rollback); keep the flag for transformers' bookkeeping only.
+        # transformers >= 5.25 passes ``recurrent_states_to_keep`` (meant for linear-attention layers).
         self.record_past = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
