@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""End to end, as a user sees it: ``target.generate(ids, assistant_model=mtp)`` against plain
+``target.generate(ids)``, and ``speculative_generate`` against plain batched decoding.
+
+The target is V4-Flash-shaped (random bf16 weights, ``--layers`` decoder layers, one GPU).  With
+random weights the MTP's drafts would never be accepted, so acceptance is *controlled*:
+
+* the target's greedy choice is made predictable: a hook adds a large margin to the logit of
+  ``successor(token)`` at every position (all of the target's compute still runs);
+* after the MTP has drafted (all of its compute runs too), its tokens are replaced by
+  controlled ones: per round a number of correct drafts ``n`` is drawn so that the i-th draft
+  is accepted with the profile's probability (``acceptance_by_position``), and every draft
+  after the n-th is made wrong.  Profiles: ``none`` (every draft rejected), ``all``, and
+  ``deepseek`` (0.88 / 0.80 / 0.72 for drafts 1 / 2 / 3).
+
+Every case checks that the output equals plain greedy ``generate`` token for token.  Printed
+per case: tokens/s, speedup over plain, tokens per round, and the split of a round into the
+target's verify forward, the MTP's work (both GPU time between CUDA events) and host glue (the
+rest of the round's wall time).  With two ``--layers`` values the speedup at ``--project``
+layers (V4-Flash: 43) is extrapolated linearly in the layer count -- labelled as a projection.
+
+    python benchmarks/e2e_generate.py --out $OUT                 # 2 and 5 layers, one H200
+    python benchmarks/e2e_generate.py --tiny --layers 2          # smoke run (CPU or GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from batched_generate import build_split_target, left_pad  # noqa: E402
+
+from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
+from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
+from dsv4_mtp_hf.generation.candidate import MtpCandidateGenerator  # noqa: E402
+from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward  # noqa: E402
+
+SEED = 1234
+MARGIN = 1000.0
+PROFILES = {"none": (0.0, 0.0, 0.0), "all": (1.0, 1.0, 1.0), "deepseek": (0.88, 0.80, 0.72)}
+
+
+def successor(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The target's controlled greedy choice after each token (never 0..2: ids a tokenizer may reserve)."""
+    return (tokens * 7919 + 13) % (vocab - 3) + 3
+
+
+def chain(last: int, n: int, vocab: int) -> list[int]:
+    out, t = [], last
+    for _ in range(n):
+        t = int(successor(torch.tensor(t), vocab))
+        out.append(t)
+    return out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Controlled:
+    """Margins on the target's logits and controlled drafts, for one profile at a time."""
+
+    def __init__(self, target, mtp, vocab: int):
+        self.target, self.mtp, self.vocab = target, mtp, vocab
+        self.profile = PROFILES["none"]
+        self.rng = random.Random(SEED)
+        self._ids = None
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.timing = False
+        self._hooks = [
+            target.model.register_forward_pre_hook(self._take_ids, with_kwargs=True),
+            target.lm_head.register_forward_hook(self._margin),
+            target.register_forward_pre_hook(self._target_start),
+            target.register_forward_hook(self._target_end),
+        ]
+
+    # -- the target: greedy choice = successor(input token) ------------------------------------
+    def _take_ids(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._ids = ids
+
+    def _margin(self, module, args, out):
+        ids, self._ids = self._ids, None
+        if ids is None:  # the ragged path adds its margins itself (RaggedTargetForward below)
+            return out
+        rows = ids[:, -out.shape[1]:]
+        return out.scatter_add(-1, successor(rows, self.vocab).unsqueeze(-1).to(out.device),
+                               torch.full((*rows.shape, 1), MARGIN, dtype=out.dtype, device=out.device))
+
+    def ragged_call(self, original):
+        ctl = self
+
+        def call(runner, chunks, caches, logit_rows=None):
+            logits, residual, offsets = original(runner, chunks, caches, logit_rows)
+            flat = torch.cat([c.reshape(-1) for c in chunks])
+            rows = flat if logit_rows is None else flat[logit_rows.cpu()]
+            want = successor(rows, ctl.vocab).to(logits.device).unsqueeze(-1)
+            return logits.scatter_add(-1, want, torch.full_like(want, MARGIN, dtype=logits.dtype)), residual, offsets
+        return call
+
+    # -- timing of the target's forwards ---------------------------------------------------------
+    def _target_start(self, module, args):
+        if self.timing:
+            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0.record()
+
+    def _target_end(self, module, args, out):
+        if self.timing:
+            t1 = torch.cuda.Event(enable_timing=True)
+            t1.record()
+            self.events.append(("target", self._t0, t1))
+
+    # -- the drafts ---------------------------------------------------------------------------------
+    def correct_count(self, k: int) -> int:
+        """Drafts accepted this round: P(n >= i) = profile[i - 1]."""
+        u, n = self.rng.random(), 0
+        while n < k and u < self.profile[min(n, len(self.profile) - 1)]:
+            n += 1
+        return n
+
+    def controlled(self, last: int, k: int) -> list[int]:
+        truth = chain(last, k, self.vocab)
+        n = self.correct_count(k)
+        return [t if i < n else (t + 1 - 3) % (self.vocab - 3) + 3 for i, t in enumerate(truth)]
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def make_generator_class(ctl: Controlled):
+    class ControlledCandidates(MtpCandidateGenerator):
+        def get_candidates(self, input_ids, *args, **kwargs):
+            if ctl.timing:
+                a = torch.cuda.Event(enable_timing=True)
+                a.record()
+            seq, logits = super().get_candidates(input_ids, *args, **kwargs)
+            if ctl.timing:
+                b = torch.cuda.Event(enable_timing=True)
+                b.record()
+                ctl.events.append(("mtp", a, b))
+            n = seq.shape[1] - input_ids.shape[1]
+            if n:
+                drafts = ctl.controlled(int(input_ids[0, -1]), n)
+                seq = torch.cat([input_ids, torch.tensor([drafts], device=seq.device)], dim=1)
+            return seq, logits
+    return ControlledCandidates
+
+
+def timed(fn, repeats: int):
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def assisted_cases(target, mtp, ctl, args, rows, checks, label):
+    dev = target.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(3, ctl.vocab, (1, args.prompt), generator=gen).to(dev)
+    n = args.new_tokens
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    t_plain, plain = timed(lambda: target.generate(prompt, **kw), args.repeats)
+    t_one, _ = timed(lambda: target.generate(prompt, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}),
+                     args.repeats)
+    step = (t_plain - t_one) / (n - 1)
+    checks[f"{label}: plain output is the controlled chain"] = plain[0, args.prompt:].tolist() == chain(
+        int(prompt[0, -1]), n, ctl.vocab)
+    rows.append(dict(label=label, case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
+                     round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0))
+    mtp.candidate_generator_class = make_generator_class(ctl)
+    try:
+        for k in args.ks:
+            for name in args.profiles:
+                ctl.profile = PROFILES[name]
+                ctl.rng = random.Random(SEED)
+
+                def run():
+                    return target.generate(prompt, assistant_model=mtp, num_assistant_tokens=k, **kw)
+
+                t, out = timed(run, args.repeats)
+                checks[f"{label}: K={k} {name}: equal to plain greedy"] = bool(torch.equal(out, plain))
+                stats = mtp.last_generation_stats
+                # one more run with CUDA events around the target's forwards and the MTP's work
+                ctl.events, ctl.timing = [], torch.cuda.is_available()  # the split needs CUDA events
+                sync()
+                w0 = time.perf_counter()
+                run()
+                sync()
+                wall = time.perf_counter() - w0
+                ctl.timing = False
+                tgt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "target"]
+                mt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "mtp"]
+                r = max(1, stats.rounds)
+                prefill_ms = tgt[0] if tgt else 1e3 * t_one
+                round_ms = (1e3 * wall - prefill_ms) / r
+                t_ms = statistics.mean(tgt[1:]) if len(tgt) > 1 else None
+                m_ms = sum(mt) / r if mt else None
+                rows.append(dict(label=label, case=name, k=k, tok_s=n / t, speedup=t_plain / t,
+                                 tok_round=stats.mean_accepted_length, round_ms=round_ms, target_ms=t_ms, mtp_ms=m_ms,
+                                 glue_ms=None if t_ms is None else round_ms - t_ms - m_ms, x_plain_step=round_ms / (1e3 * step),
+                                 acceptance=stats.acceptance_by_position))
+                print(rows[-1], flush=True)
+    finally:
+        mtp.candidate_generator_class = None
+
+
+def ragged_plain(target, prompts, n):
+    """Per-sequence-exact plain greedy decoding of a batch: our ragged target forward, no drafts."""
+    runner = RaggedTargetForward(target, attention="batched")
+    caches = runner.new_caches(len(prompts), max_rollback=1)
+    lens = torch.tensor([p.numel() for p in prompts])
+    logits, _, _ = runner(prompts, caches, logit_rows=lens.cumsum(0) - 1)
+    last = logits.float().argmax(-1).tolist()
+    out = [[t] for t in last]
+    for _ in range(n - 1):
+        logits, _, _ = runner([torch.tensor([t]) for t in last], caches)
+        last = logits.float().argmax(-1).tolist()
+        for o, t in zip(out, last):
+            o.append(t)
+    return out
+
+
+@contextlib.contextmanager
+def controlled_batch(ctl):
+    original_draft, original_call = spec._Batch.draft, RaggedTargetForward.__call__
+
+    def draft(batch, seqs, budgets):
+        real, dists = original_draft(batch, seqs, budgets)
+        return [ctl.controlled(batch.tokens[i][-1], len(d)) if d else d for i, d in zip(seqs, real)], dists
+
+    spec._Batch.draft = draft
+    RaggedTargetForward.__call__ = ctl.ragged_call(original_call)
+    try:
+        yield
+    finally:
+        spec._Batch.draft, RaggedTargetForward.__call__ = original_draft, original_call
+
+
+def batched_cases(target, mtp, ctl, args, rows, checks, label):
+    dev = target.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(SEED + 1)
+    n, k = args.new_tokens, args.batch_k
+    for b in args.batches:
+        prompts = [torch.randint(3, ctl.vocab, (args.prompt + 17 * (i % 4),), generator=gen) for i in range(b)]
+        with controlled_batch(ctl):
+            t_ragged, ref = timed(lambda: ragged_plain(target, prompts, n), args.repeats)
+            ids, mask = left_pad(prompts, 0, dev)
+            t_padded, padded = timed(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n,
+                                                             min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                                             eos_token_id=None), args.repeats)
+            truth = [chain(int(p[-1]), n, ctl.vocab) for p in prompts]
+            checks[f"{label} B={b}: ragged plain is the controlled chain"] = ref == truth
+            for name in args.profiles:
+                ctl.profile = PROFILES[name]
+                ctl.rng = random.Random(SEED)
+                kw = dict(max_new_tokens=n, num_draft_tokens=k, eos_token_id=[])
+                t_spec, out = timed(lambda: speculative_generate(target, mtp, prompts, **kw), args.repeats)
+                checks[f"{label} B={b} K={k} {name}: equal to per-sequence plain greedy"] = [
+                    t.tolist() for t in out.new_tokens] == truth
+                tok = b * n
+                rows.append(dict(label=label, case=f"batched {name}", k=k, b=b, tok_s=tok / t_spec,
+                                 vs_ragged=t_ragged / t_spec, vs_padded=t_padded / t_spec,
+                                 ragged_tok_s=tok / t_ragged, padded_tok_s=tok / t_padded,
+                                 tok_round=statistics.mean(s.mean_accepted_length for s in out.stats)))
+                print(rows[-1], flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", default="2,5", help="comma list of target layer counts (two: a projection)")
+    p.add_argument("--project", type=int, default=43, help="layer count the speedup is projected to")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=100)
+    p.add_argument("--ks", default="1,2,3")
+    p.add_argument("--profiles", default="none,all,deepseek")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--batch-k", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    args.ks = [int(x) for x in args.ks.split(",") if x]
+    args.profiles = [x for x in args.profiles.split(",") if x]
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    print(f"seed={SEED}", flush=True)
+    rows, checks = [], {}
+    for layers in [int(x) for x in args.layers.split(",")]:
+        label = f"{layers} layers"
+        with torch.no_grad():
+            target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED))
+            ctl = Controlled(target, mtp, target.config.vocab_size)
+            try:
+                assisted_cases(target, mtp, ctl, args, rows, checks, label)
+                if args.batches:
+                    batched_cases(target, mtp, ctl, args, rows, checks, label)
+            finally:
+                ctl.close()
+            del target, mtp, ctl
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.out:
+        with open(os.path.join(args.out, "e2e_generate.json"), "w") as f:
+            json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1, default=str)
+    failed = [name for name, ok in checks.items() if not ok]
+    for name, ok in checks.items():
+        print(f"check: {name}: {ok}")
+    print(f"\n{'target':<10} {'case':<9} {'K':>2} {'tok/s':>8} {'speedup':>7} {'tok/rnd':>7} {'round ms':>8} "
+          f"{'verify':>7} {'mtp':>6} {'glue':>6} {'x step':>6}")
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        if "b" in r:
+            continue
+        print(f"{r['label']:<10} {r['case']:<9} {r['k']:>2} {r['tok_s']:>8.1f} {r['speedup']:>6.2f}x "
+              f"{r['tok_round']:>7.2f} {r['round_ms']:>8.2f} {fmt(r['target_ms']):>7} {fmt(r['mtp_ms']):>6} "
+              f"{fmt(r['glue_ms']):>6} {r['x_plain_step']:>6.2f}")
+    batched = [r for r in rows if "b" in r]
+    if batched:
+        print(f"\n{'target':<10} {'case':<17} {'B':>3} {'K':>2} {'tok/s':>8} {'ragged tok/s':>12} {'padded tok/s':>12} "
+              f"{'vs ragged':>9} {'vs padded':>9} {'tok/rnd':>7}")
+        for r in batched:
+            print(f"{r['label']:<10} {r['case']:<17} {r['b']:>3} {r['k']:>2} {r['tok_s']:>8.1f} {r['ragged_tok_s']:>12.1f} "
+                  f"{r['padded_tok_s']:>12.1f} {r['vs_ragged']:>8.2f}x {r['vs_padded']:>8.2f}x {r['tok_round']:>7.2f}")
+    layer_counts = sorted({r["label"] for r in rows}, key=lambda s: int(s.split()[0]))
+    if len(layer_counts) >= 2:
+        (l1, l2) = (int(layer_counts[0].split()[0]), int(layer_counts[-1].split()[0]))
+        print(f"\nprojection to {args.project} layers (linear in the layer count from {l1} and {l2}; not measured):")
+        for case_k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}):
+            def per(label, key):
+                return next(r for r in rows if r["label"] == label and (r["case"], r["k"]) == key and "b" not in r)
+            plain1, plain2 = per(layer_counts[0], ("plain", 0)), per(layer_counts[-1], ("plain", 0))
+            c1, c2 = per(layer_counts[0], case_k), per(layer_counts[-1], case_k)
+            step = plain1["round_ms"] + (plain2["round_ms"] - plain1["round_ms"]) * (args.project - l1) / (l2 - l1)
+            rnd = c1["round_ms"] + (c2["round_ms"] - c1["round_ms"]) * (args.project - l1) / (l2 - l1)
+            print(f"  {case_k[0]:<9} K={case_k[1]}: plain step {step:.1f} ms, round {rnd:.1f} ms, "
+                  f"speedup {c2['tok_round'] * step / rnd:.2f}x")
+    if failed:
+        print(f"FAILED checks: {failed}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
