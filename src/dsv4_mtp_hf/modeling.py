@@ -303,8 +303,9 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
 
     def generate(self, *args, **kwargs):
         raise RuntimeError(
-            "The MTP is a draft model: it needs the target's hidden states. Use "
-            "`target.generate(input_ids, assistant_model=mtp)` instead of `mtp.generate(...)`."
+            "The MTP is a draft model: it needs the target's hidden states. Bind it to the target "
+            "(`mtp.bind(target)`, or `from_pretrained(..., target_model=target)`) and call "
+            "`target.generate(input_ids, assistant_model=mtp)`; `mtp.generate(...)` alone cannot run."
         )
 
     def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
