@@ -106,21 +106,20 @@ def argmax_triton(x: torch.Tensor, config: tuple[int, int, int] | None = None,
     return out.view(x.shape[:-1])
 
 
-_KERNEL_FAILED: list[str] = []  # set once if the kernel cannot be built here
-
-
 @argmax_op.register_kernel("cuda")
 def _argmax_cuda(x):
-    if _KERNEL_FAILED or not kernel_takes(x):
+    if not kernel_takes(x):
         return torch.argmax(x, dim=-1)
-    if workspace(x.device) is None:
+    if workspace(x.device) is None:  # the workspace is allocated outside capture only
         warnings.warn("dsv4_mtp::argmax: first call inside a CUDA graph capture (no workspace yet; warm up "
                       "before capturing); this capture uses torch.argmax.")
         return torch.argmax(x, dim=-1)
     try:
         with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensor's
             return argmax_triton(x)
-    except Exception as err:  # noqa: BLE001 - e.g. a Triton build failure: stay correct, say so once
-        _KERNEL_FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"dsv4_mtp::argmax Triton kernel failed ({_KERNEL_FAILED[0]}); using torch.argmax.")
-        return torch.argmax(x, dim=-1)
+    except Exception as err:
+        raise RuntimeError(
+            f"dsv4_mtp::argmax: the Triton kernel failed for x {tuple(x.shape)} {x.dtype} on {x.device}: "
+            f"{type(err).__name__}: {err}. Check the Triton install (`python -c 'import triton'`, a CUDA "
+            "toolchain it supports)."
+        ) from err
