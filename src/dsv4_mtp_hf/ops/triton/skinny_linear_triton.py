@@ -28,7 +28,6 @@ in which order along K (the MMA chain walks K in 16-wide steps either way).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,6 @@ from .pdl import wait
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference (cuBLAS) runs: a GEMM, not a weight stream
 REDUCE_BLOCK = 1024
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU debugging / tests: bf16 dot upcast to fp32
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def _acc_tile(acc, x_ptr, w_ptr, M, Nw, K, stride_xm, stride_wn, n_tile, x_col0,
             kmask = (k_lo + k + rk) < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
-        if FP32:  # fp32 data, or the CPU interpreter (its dot misreads bf16 operands)
+        if FP32:  # fp32 data: exact fp32 products, as F.linear
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
@@ -173,9 +171,8 @@ def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, dtype: torch.d
     the kernel does not take the shape).  The tallest tile (64 or 32 rows) that still gives about
     one program per SM, each streaming 16-32 KB of weight per pipeline stage; split K only when
     N alone cannot fill the GPU.  Measured back to back in a CUDA graph on the H200
-    (``benchmarks/linear_op.py --stream``, BENCHMARKS.md 2026-11-30): one program of 32 rows per
-    SM beats two of 16 on every 4096-row weight (e/h 23.7 -> 20.6 µs, wo_b 23.2 -> 20.5 µs,
-    shared w1+w3 12.9 -> 11.2 µs), and 64-row tiles beat 32 on wo_a (18.9 -> 18.1 µs)."""
+    (``benchmarks/linear_op.py``): one program of 32 rows per SM beats two of 16 on every
+    4096-row weight (~13%), and 64-row tiles beat 32 on ``wo_a``."""
     fp32 = dtype == torch.float32
     n_per_group = ns[0] // groups if groups > 1 else 0
 
@@ -246,7 +243,7 @@ def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: i
     _skinny_kernel[grid](
         x, w0, w1, target, m, ns[0], ns[1] if len(ns) > 1 else 0, k, x.stride(0), w0.stride(0), w1.stride(0), n,
         m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32 or _INTERPRET,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32,
         TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
     )
     if split > 1:
@@ -318,7 +315,7 @@ def skinny_linear_sum_triton(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tenso
     _skinny_sum_kernel[(triton.cdiv(n, bn),)](
         x0, w0, x1, w1, out, m, n, x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0), n, K0=k0, K1=k1,
         X1_DIV=m // x1.shape[0], BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
-        FP32=x0.dtype == torch.float32 or _INTERPRET, num_warps=config.num_warps,
+        FP32=x0.dtype == torch.float32, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_args(x0.device),
     )
     return out
