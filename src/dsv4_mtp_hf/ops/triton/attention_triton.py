@@ -1,21 +1,14 @@
 """Triton kernel behind ``dsv4_mtp::window_attention`` for one query row per sequence (a draft step).
 
-Grid ``(B, H / BLOCK_H, NSPLIT)``: a program holds ``BLOCK_H`` query heads ``[BLOCK_H, d]`` of one
-sequence and walks one contiguous range of keys in steps of ``block_l``: bf16 scores by MMA (fp32
-accumulation), the window mask from the positions, an online softmax in fp32 (finite -1e30 start,
-so a fully masked range leaves a zero partial, never NaN), and ``p @ kv`` with the probabilities
-rounded to bf16 -- the only rounding the reference does not have, ~2**-9 per probability.  The
-keys serve as values too (shared KV).
-
-* ``NSPLIT == 1``: the program adds the sink to the denominator and writes the output itself.
-* ``NSPLIT > 1`` (flash-decoding, small batches): each program writes its partial (max,
-  denominator, unnormalised fp32 accumulator) to a workspace; the last program of each (sequence,
-  head block) to arrive, by an acq_rel ticket, combines the splits in a fixed order (deterministic)
-  and resets its ticket to 0 for the next call or graph replay -- one launch.  A graph captured
-  before any eager call allocated the tickets combines in a second launch instead.
-
-Fixed grid per shape, no host sync: CUDA-graph safe.  The tickets are one zeroed int32 buffer
-per device shared by all calls, so calls on one device must not run concurrently on two streams.
+Grid ``(B, H / BLOCK_H, NSPLIT)``: a program holds ``BLOCK_H`` query heads of one sequence and walks
+a range of keys in steps of ``block_l``: bf16 MMA scores (fp32 accumulation), the window mask from
+the positions, an fp32 online softmax (finite -1e30 start: a fully masked range leaves a zero
+partial, never NaN), and ``p @ kv`` with p rounded to bf16 (~2**-9, the only rounding the reference
+lacks).  The keys serve as values (shared KV).  With one split the program adds the sink and writes
+the output; with several (small batches, flash-decoding) each writes its partial to a workspace
+and the last program of each (sequence, head block), by an acq_rel ticket reset after use,
+combines them in a fixed order -- one launch, deterministic.  A graph captured before the tickets
+exist combines in a second launch instead.  Calls on one device share the tickets: one stream.
 """
 
 from __future__ import annotations

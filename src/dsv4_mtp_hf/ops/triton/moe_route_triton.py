@@ -1,15 +1,11 @@
 """Triton kernels behind ``dsv4_mtp::moe_route`` on CUDA (decode-sized batches).
 
-1. ``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` gate rows per program read
-   in bf16 straight from the weight (no fp32 copy of it), fp32 dot products, then
-   ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace.
-2. the top-k of ``score + bias`` by k rounds of max / lowest index among the maxima / mask,
-   weights from the unbiased scores, renormalised and scaled (``_topk_row``): by the token's
-   last-arriving scores program (an acq_rel ticket, one launch), or by ``_topk_kernel`` grid
-   ``(T,)`` in one warp when a graph is captured before any eager call (the same bits).
-
-Fixed grids, no host sync (CUDA-graph safe), deterministic.  Prefill-sized batches (more
-than ``MAX_TOKENS`` rows) go to the reference, whose GEMM is the better tool there.
+``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` bf16 gate rows per program, fp32
+dots, ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace; the token's last-arriving program
+(an acq_rel ticket) then takes the top-k of ``score + bias`` (``_topk_row``: k rounds of max /
+lowest index / mask; weights from the unbiased scores, renormalised, scaled).  A graph captured
+before any eager call allocated the tickets runs ``_topk_kernel`` as a second launch (same bits).
+Fixed grids, no host sync, deterministic; more than ``MAX_TOKENS`` rows run the reference's GEMM.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Triton kernels behind ``dsv4_mtp::skinny_linear`` / ``_cat`` / ``_sum`` on CUDA.
 
-A weight-streaming GEMM for a few rows (M <= 64; the layers send M <= 16): the weight is the
-A operand, ``acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ x[BLOCK_M, BLOCK_K]^T`` ("swap AB",
-rows padded to 16 with masked loads that read nothing), so the tensor cores take the few
-rows for free and Triton's software pipeliner keeps ``num_stages - 1`` weight tiles in flight
-per program (cp.async into shared memory).  One program per ``BLOCK_N`` output columns:
-
-* ``_skinny_kernel`` grid ``(tiles, SPLIT)``.  With ``SPLIT == 1`` (N fills the GPU: every
-  MTP projection but ``wq_a``+``wkv``) each program streams its rows over the whole K and
-  writes the result -- one launch, no workspace.  With ``SPLIT > 1`` program ``(t, s)``
-  covers the K range ``[s*K_SPLIT, (s+1)*K_SPLIT)`` and writes fp32 partials to a
-  ``[SPLIT, M, N]`` workspace ...
-* ... which ``_reduce_kernel`` sums in the fixed order s = 0, 1, ... (second launch).
-* Two weights sharing the input (``skinny_linear_cat``): programs ``< TILES0`` take ``w0``,
-  the others ``w1``, writing columns ``N0 + ...`` of one output.
-* Groups (``wo_a``): program t's rows lie in group ``t*BLOCK_N // N_PER_GROUP`` (BLOCK_N
-  divides the group), which reads x columns ``[g*K, (g+1)*K)``.
-* ``_skinny_sum_kernel`` (``skinny_linear_sum``): one accumulator walks ``w0`` along K0 with
-  ``x0``, then ``w1`` along K1 with row ``m // R`` of ``x1``; never split along K.
-
-No atomics, fixed grids, no host sync: CUDA-graph safe and deterministic.  The launch
-configuration is a pure function of the shapes (:func:`pick_config`); the K-split decides
-the summation order, block sizes, warps and stages do not change which products are summed
-in which order along K (the MMA chain walks K in 16-wide steps either way).
+A weight-streaming GEMM for a few rows (M <= 64): the weight is the A operand ("swap AB",
+``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16 by masked loads), so the tensor cores
+take the few rows for free and the software pipeliner keeps ``num_stages - 1`` weight tiles in
+flight.  One program per ``BLOCK_N`` output columns; when N alone cannot fill the GPU, K is
+split over ``SPLIT`` programs writing fp32 partials that ``_reduce_kernel`` sums in a fixed order.
+Two weights sharing the input (``_cat``) are two tile ranges of one launch; grouped ``wo_a``
+reads x columns ``[g*K, (g+1)*K)`` for group g; ``_skinny_sum_kernel`` walks ``w0`` then ``w1``
+into one accumulator.  No atomics, fixed grids, no host sync: CUDA-graph safe, deterministic.
 """
 
 from __future__ import annotations
@@ -34,16 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..skinny_linear import (
-    DTYPES,
-    check_skinny_sum_inputs,
-    skinny_linear_sum_op,
-    skinny_linear_sum_reference,
-    skinny_linear_cat_op,
-    skinny_linear_cat_reference,
-    skinny_linear_op,
-    skinny_linear_reference,
-)
+from ..skinny_linear import (DTYPES, check_skinny_inputs, check_skinny_sum_inputs, skinny_linear_cat_op,
+                             skinny_linear_cat_reference, skinny_linear_op, skinny_linear_reference,
+                             skinny_linear_sum_op, skinny_linear_sum_reference)
 from . import pdl
 from .pdl import wait
 
@@ -264,8 +242,6 @@ def kernel_takes(x: torch.Tensor, weights: list[torch.Tensor], groups: int = 1) 
 
 @skinny_linear_op.register_kernel("cuda")
 def _skinny_linear_cuda(x, weight, groups=1):
-    from ..skinny_linear import check_skinny_inputs
-
     check_skinny_inputs(x, [weight], groups)
     if not kernel_takes(x, [weight], groups):
         return skinny_linear_reference(x, weight, groups)
@@ -275,8 +251,6 @@ def _skinny_linear_cuda(x, weight, groups=1):
 
 @skinny_linear_cat_op.register_kernel("cuda")
 def _skinny_linear_cat_cuda(x, weights):
-    from ..skinny_linear import check_skinny_inputs
-
     check_skinny_inputs(x, weights)
     if not kernel_takes(x, list(weights)):
         return skinny_linear_cat_reference(x, weights)
