@@ -57,18 +57,9 @@ def inputs(b, gen):
 
 
 def settings(names: str | None):
-    """(label, config) pairs; config None = the reference path."""
-    s = [("unsplit/l32/w4", dict(keys_per_program=0, block_h=16, block_l=32, num_warps=4)),
-         ("unsplit/l32/w8", dict(keys_per_program=0, block_h=16, block_l=32, num_warps=8)),
-         ("unsplit/l64/w8", dict(keys_per_program=0, block_h=16, block_l=64, num_warps=8)),
-         ("unsplit/l128/w8", dict(keys_per_program=0, block_h=16, block_l=128, num_warps=8)),
-         ("k64/h16/l32/ticket", dict(keys_per_program=64, block_h=16, block_l=32, combine="ticket")),
-         ("k64/h16/ticket/w4", dict(keys_per_program=64, block_h=16, combine="ticket", num_warps=4))]
-    for k in (16, 32, 64):
-        for bh in (16, 32, 64):
-            for combine in ("ticket", "kernel"):
-                s.append((f"k{k}/h{bh}/{combine}", dict(keys_per_program=k, block_h=bh, combine=combine)))
-    s += [("auto", {}), ("reference", None)]
+    """(label, config) pairs; config None = the reference path.  The kernel has one configuration per
+    shape (``attention_triton.pick_config``)."""
+    s = [("auto", {}), ("reference", None)]
     if names:
         keep = names.split(",")
         s = [x for x in s if x[0] in keep]
@@ -133,11 +124,11 @@ def main():
                     return r if out is None else out.copy_(r)
                 launch = "torch"
             else:
-                def run(out=None, cfg=cfg):
-                    return at.window_attention_triton(q, kv, qp, kp, sinks, WINDOW, scale, out=out, config=cfg)
-                c = at.resolve_config(b, H, L, D, cfg)
-                launch = (f"grid ({b},{H // c.block_h},{c.splits(L)}) k{c.keys_per_program or L} h{c.block_h} "
-                          f"l{c.block_l} w{c.num_warps}" + (f" {c.combine}" if c.splits(L) > 1 else ""))
+                def run(out=None):
+                    return at.window_attention_triton(q, kv, qp, kp, sinks, WINDOW, scale, out=out)
+                kpp, bl, nw = at.pick_config(b, H, L, D)
+                splits = -(-L // kpp) if kpp else 1
+                launch = f"grid ({b},{H // at.BLOCK_H},{splits}) k{kpp or L} l{bl} w{nw}" + (" ticket" if splits > 1 else "")
             try:
                 rel, finite, graph_eq = check(run, want)
                 ok = finite and rel < 1e-2 and graph_eq
@@ -153,7 +144,7 @@ def main():
     base = {r["B"]: r["us"] for r in rows if r["setting"] == "unsplit/l32/w4"}
     with open(os.path.join(args.out, "attention_op.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, H=H, d=D, window=WINDOW, L=L,
-                       calls=args.calls, iters=args.iters, auto=at.CONFIG, rows=rows), f, indent=2)
+                       calls=args.calls, iters=args.iters, rows=rows), f, indent=2)
     print(f"\nµs per call, CUDA graph of {args.calls} calls back to back, median of {args.iters} replays; "
           "x = unsplit/l32/w4 (the previous kernel) / this")
     print(f"{'B':>3} {'setting':<18} {'us':>7} {'x':>5} {'rel err':>8}  launch")

@@ -271,7 +271,7 @@ def lm_head(args):
 def draft_step_effect(args):
     """Compiled + CUDA-graphed V4-Flash draft steps (K=1, reference attention, as
     ``benchmarks/draft_step.py`` builds them: random weights, 127 cached positions) with
-    ``skinny_linear.use_fused_kernels`` off (cuBLAS, the previous path) and on, same run,
+    the skinny kernels off (``use_skinny`` patched: cuBLAS, the previous path) and on, same run,
     same cache contents; the timings alternate off/on three times (median of medians)."""
     import importlib
 
@@ -281,7 +281,8 @@ def draft_step_effect(args):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(int(time.time()))
     target, mtp = ds.random_pair(False, dev, gen)
-    saved = sl.use_fused_kernels
+    lin = importlib.import_module("dsv4_mtp_hf.layers.linear")
+    saved = sl.use_skinny, lin.use_skinny
     result = {}
     try:
         for bsz in [int(b) for b in args.batches.split(",")]:
@@ -292,7 +293,7 @@ def draft_step_effect(args):
             assert torch.equal(paged2.seq_lengths, lengths)
             drafters, replays, outs = {}, {}, {}
             for on, cache in ((False, paged), (True, paged2)):
-                sl.use_fused_kernels = on
+                sl.use_skinny = lin.use_skinny = saved[0] if on else (lambda *a: False)  # off: F.linear (cuBLAS)
                 t0 = time.perf_counter()
                 d = GraphedDrafter(mtp, cache, num_drafts=1, compile=True)
                 d.tokens.copy_(pids[:, -1:]); d.residual.copy_(phs[:, -1:])
@@ -319,7 +320,7 @@ def draft_step_effect(args):
                   f"{rel:.1e}, same drafts {torch.equal(d0, d1)}", flush=True)
             del drafters, replays, outs, paged, paged2
     finally:
-        sl.use_fused_kernels = saved
+        sl.use_skinny, lin.use_skinny = saved
     if args.out:
         with open(os.path.join(args.out, "linear_op_draft_step.json"), "w") as f:
             json.dump(result, f, indent=2)

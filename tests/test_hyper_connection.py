@@ -1,11 +1,16 @@
-import textwrap
-
 import pytest
 import torch
 
 from dsv4_mtp_hf.layers.hyper_connection import HyperConnection, HyperHead, hc_post, sinkhorn
 
-from .helpers import run_under_triton_interpreter
+SEED = 99
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws from torch's global generator, seeded here (replay a failure with this seed)."""
+    print(f"seed={SEED}")
+    torch.manual_seed(SEED)
 
 
 def make_hc(n=4, d=16, iters=20):
@@ -93,92 +98,14 @@ def test_hc_ops_cpu_registrations_are_the_layer_math_and_compiled_hc_post_is_the
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lead,n,d,dtype", [
-    ((1, 1), 4, 4096, torch.bfloat16), ((16, 1), 4, 4096, torch.bfloat16), ((2, 3), 4, 256, torch.float32),
-    ((5,), 4, 96, torch.bfloat16), ((3,), 2, 1500, torch.float32), ((200,), 4, 256, torch.bfloat16),  # > 64: PyTorch
-])
-def test_fused_hc_kernels_match_the_reference_on_cuda(lead, n, d, dtype):
-    from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_head_reference, hc_pre_op, hc_pre_reference
-
-    x = torch.randn(*lead, n, d, device="cuda").to(dtype)
-    fn, base = torch.randn((2 + n) * n, n * d, device="cuda") * (2 / (n * d) ** 0.5), torch.randn((2 + n) * n, device="cuda")
-    scale = torch.rand(3, device="cuda") + 0.5
-    y, post, comb = hc_pre_op(x, fn, base, scale, 20, 1e-6, 1e-6)
-    want = hc_pre_reference(x.double(), fn.double(), base.double(), scale.double(), 20, 1e-6, 1e-6)
-    assert y.dtype == dtype and post.dtype == comb.dtype == torch.float32
-    torch.testing.assert_close(y.double(), want[0], rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-    torch.testing.assert_close(post.double(), want[1].double(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(comb.double(), want[2].double(), rtol=1e-5, atol=1e-6)
-    hfn, hbase, hscale = torch.randn(n, n * d, device="cuda") * (2 / (n * d) ** 0.5), torch.randn(n, device="cuda"), torch.rand(1, device="cuda") + 0.5
-    yh = hc_head_op(x, hfn, hbase, hscale, 1e-6, 1e-6)
-    want_h = hc_head_reference(x.double(), hfn.double(), hbase.double(), hscale.double(), 1e-6, 1e-6)
-    torch.testing.assert_close(yh.double(), want_h, rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-
-
-# The fused kernels' implementation (``_launch``) on CPU tensors: outputs NaN-poisoned, one
-# launch config each (the autotuner cannot time under the interpreter; both BLOCK_D/warps
-# shapes are used in turn), ITERS 1 and 20.
-INTERPRETER_SCRIPT = textwrap.dedent("""
-    import itertools, torch
-    from dsv4_mtp_hf.ops.hyper_connection import hc_head_reference, hc_pre_reference
-    from dsv4_mtp_hf.ops.triton import hyper_connection_triton as h
-    g = torch.Generator().manual_seed(0)
-    empty = torch.empty
-    torch.empty = lambda *a, **k: empty(*a, **k).fill_(float("nan"))  # every output element must be written
-    h._mix_partial_kernel.configs = h._MIX_CONFIGS[:1]
-    configs = itertools.cycle([h.triton.Config({"BLOCK_D": 256}, num_warps=1),
-                               h.triton.Config({"BLOCK_D": 1024}, num_warps=4)])
-    worst = {}
-    bf16, f32 = torch.bfloat16, torch.float32
-    # (T, n, D, dtypes, ITERS): T = 16 at D = 4096 only once (the interpreter takes ~7 s a launch there)
-    cases = [(t, 4, 4096, (f32, bf16), (1, 20)) for t in (1, 3)] + [(16, 4, 4096, (bf16,), (20,))]
-    cases += [(t, n, d, (f32, bf16), (1, 20)) for n, d in ((4, 256), (2, 1500)) for t in (1, 3, 16)]
-    for t, n, d, dtypes, iters_list in cases:
-        for dtype in dtypes:
-            h._finish_kernel.configs = [next(configs)]
-            h._finish_kernel.cache.clear()
-            x = torch.randn(t, n, d, generator=g).to(dtype)
-            fn = torch.randn((2 + n) * n, n * d, generator=g) * (2 / (n * d) ** 0.5)
-            base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
-            # the interpreter's fp32 -> bf16 .to() truncates: up to one bf16 ulp (2**-7 relative)
-            ytol = dict(rtol=1.6e-2, atol=1e-5) if dtype == bf16 else dict(rtol=1e-5, atol=1e-5)
-            dt = str(dtype)[6:]
-            for iters in iters_list:
-                case = (t, n, d, dt, iters)
-                y, post, comb = h._launch(x, fn, base, scale, iters, 1e-6, 1e-6, head=False)
-                want = [w.double() for w in hc_pre_reference(x.double(), fn.double(), base.double(), scale.double(),
-                                                             iters, 1e-6, 1e-6)]
-                assert y.dtype == dtype and post.dtype == comb.dtype == torch.float32, case
-                torch.testing.assert_close(y.double(), want[0], **ytol, msg=lambda m: f"{case} y {m}")
-                torch.testing.assert_close(post.double(), want[1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} post {m}")
-                torch.testing.assert_close(comb.double(), want[2], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} comb {m}")
-                worst[case] = [float((a.double() - b).abs().max()) for a, b in zip((y, post, comb), want)]
-            hfn = torch.randn(n, n * d, generator=g) * (2 / (n * d) ** 0.5)
-            hbase, hscale = torch.randn(n, generator=g), torch.rand(1, generator=g) + 0.5
-            yh = h._launch(x, hfn, hbase, hscale, 0, 1e-6, 1e-6, head=True)[0]
-            want_h = hc_head_reference(x.double(), hfn.double(), hbase.double(), hscale.double(), 1e-6, 1e-6)
-            torch.testing.assert_close(yh.double(), want_h, **ytol, msg=lambda m: f"{(t, n, d, dt)} head {m}")
-            worst[(t, n, d, dt, "head")] = [float((yh.double() - want_h).abs().max())]
-    print("OK", len(worst))
-    for k, v in worst.items():  # max abs errors: y, post, comb (head: y)
-        print(k, " ".join(f"{e:.1e}" for e in v))
-""")
-
-
-def test_fused_hc_kernels_under_the_cpu_interpreter():
-    run_under_triton_interpreter(INTERPRETER_SCRIPT)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("lead,n,d,dtype,iters", [
-    ((1,), 4, 4096, torch.bfloat16, 20), ((1,), 4, 4096, torch.bfloat16, 1), ((16,), 4, 4096, torch.bfloat16, 20),
-    ((16,), 4, 4096, torch.bfloat16, 1), ((16,), 4, 4096, torch.float32, 20), ((2, 3), 4, 256, torch.float32, 20),
-    ((3,), 2, 1500, torch.float32, 20), ((3,), 2, 1500, torch.float32, 1),
+    ((1,), 4, 4096, torch.bfloat16, 20), ((16,), 4, 4096, torch.bfloat16, 1), ((2, 3), 4, 256, torch.float32, 20),
+    ((3,), 2, 1500, torch.float32, 20), ((200,), 4, 256, torch.bfloat16, 20),  # > 64 tokens: the PyTorch math
 ])
-def test_fused_hc_kernels_write_every_output_on_cuda(lead, n, d, dtype, iters, monkeypatch):
-    """The CUDA implementations themselves (not through the dispatcher), outputs NaN-poisoned:
-    only block 0 forms post and comb, every block collapses its slice."""
-    from dsv4_mtp_hf.ops.hyper_connection import hc_head_reference, hc_pre_reference
+def test_fused_hc_kernels_write_every_output_and_match_the_reference_on_cuda(lead, n, d, dtype, iters, monkeypatch):
+    """The CUDA implementations, outputs NaN-poisoned (only block 0 forms post and comb, every block
+    collapses its slice), against the fp64 reference; the dispatcher gives the same bits."""
+    from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_head_reference, hc_pre_op, hc_pre_reference
     from dsv4_mtp_hf.ops.triton import hyper_connection_triton as hct
 
     x = torch.randn(*lead, n, d, device="cuda").to(dtype)
@@ -196,10 +123,12 @@ def test_fused_hc_kernels_write_every_output_on_cuda(lead, n, d, dtype, iters, m
         y, post, comb = hct._hc_pre_cuda(x, fn, base, scale, iters, 1e-6, 1e-6)
         yh = hct._hc_head_cuda(x, hfn, hbase, hscale, 1e-6, 1e-6)
     want = hc_pre_reference(x.double(), fn.double(), base.double(), scale.double(), iters, 1e-6, 1e-6)
-    ytol = dict(rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    ytol = dict(rtol=8e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-5, msg=lambda m: f"seed={SEED}: {m}")
     assert y.dtype == dtype and post.dtype == comb.dtype == torch.float32
     torch.testing.assert_close(y.double(), want[0], **ytol)
     torch.testing.assert_close(post.double(), want[1].double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(comb.double(), want[2].double(), rtol=1e-5, atol=1e-6)
     want_h = hc_head_reference(x.double(), hfn.double(), hbase.double(), hscale.double(), 1e-6, 1e-6)
     torch.testing.assert_close(yh.double(), want_h, **ytol)
+    assert torch.equal(hc_pre_op(x, fn, base, scale, iters, 1e-6, 1e-6)[0], y)
+    assert torch.equal(hc_head_op(x, hfn, hbase, hscale, 1e-6, 1e-6), yh)

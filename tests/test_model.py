@@ -6,6 +6,16 @@ from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, MtpKVCach
 from .helpers import CONFIGS, tiny_pair, tiny_target_config
 
 
+SEED = 8
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Draws from torch's global generator are seeded here (replay a failure with this seed)."""
+    print(f"seed={SEED}")
+    torch.manual_seed(SEED)
+
+
 def inputs(mtp, b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, mtp.config.vocab_size, (b, s), generator=g)

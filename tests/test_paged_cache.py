@@ -8,6 +8,16 @@ from dsv4_mtp_hf import PagedMtpKVCache
 from .helpers import tiny_pair
 
 
+SEED = 6
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Draws from torch's global generator are seeded here (replay a failure with this seed)."""
+    print(f"seed={SEED}")
+    torch.manual_seed(SEED)
+
+
 def step_inputs(mtp, b, s, gen):
     ids = torch.randint(0, mtp.config.vocab_size, (b, s), generator=gen)
     hs = torch.randn(b, s, mtp.config.hc_mult, mtp.config.hidden_size, generator=gen)
@@ -212,33 +222,6 @@ def test_compiled_update_keeps_the_pool_write_in_place():
     got = torch.compile(step, fullgraph=True)(caches[1], kv)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert torch.equal(caches[0].pool, caches[1].pool) and torch.equal(caches[0].seq_lengths, caches[1].seq_lengths)
-
-
-def test_update_kernel_under_the_cpu_interpreter():
-    from .helpers import run_under_triton_interpreter
-
-    run_under_triton_interpreter("""
-import torch
-from dsv4_mtp_hf.ops.triton import paged_cache_triton as pc
-from tests.test_paged_cache import CASES, naive_update, update_inputs
-gen = torch.Generator().manual_seed(3)
-for b, s, page_size, pages, hist in CASES:
-    pool, table, lengths, kv = update_inputs(b, s, 48, page_size, pages, gen)  # (the interpreter's fp32 -> bf16 truncates)
-    cap = pages * page_size
-    want_pool, want_keys, want_pos = naive_update(pool, table, lengths, kv, hist, cap)
-    keys, pos = kv.new_empty(b, hist + s, 48), lengths.new_empty(b, hist + s)
-    args = (pool, table, lengths, kv, keys, pos, s, min(s, cap), hist, 48, cap, page_size, pool.stride(0),
-            pool.stride(1), table.stride(0), kv.stride(0), kv.stride(1), keys.stride(0), keys.stride(1), pos.stride(0))
-    grid = (b, -(-(hist + s) // pc.ROWS))
-    meta = dict(FAR=-(1 << 40), ROWS=pc.ROWS, BLOCK_D=64)
-    if hist + min(s, cap) <= cap:
-        pc._update_kernel[grid](*args, READ=True, WRITE=True, **meta)
-    else:
-        pc._update_kernel[grid](*args, READ=True, WRITE=False, **meta)
-        pc._update_kernel[grid](*args, READ=False, WRITE=True, **meta)
-    assert torch.equal(keys, want_keys) and torch.equal(pos, want_pos) and torch.equal(pool, want_pool), (b, s)
-print("OK update kernel")
-""")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (``ops/triton/pdl.py``): the switch, and (``-m gpu``) a chain of
-the package's kernels launched with PDL, eagerly and from a CUDA graph, giving the same bits
-as the classic launches while each kernel reads what the one before it just wrote."""
+"""Programmatic dependent launch (``ops/triton/pdl.py``): the launch arguments, and (``-m gpu``) a
+chain of the package's kernels replayed from a CUDA graph with PDL edges, giving the bits of the
+eager calls while each kernel reads what the one before it just wrote."""
 
 from __future__ import annotations
 
@@ -10,21 +10,17 @@ import pytest
 import torch
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+SEED = 0
 
 
 @needs_triton
-def test_launch_args_keep_the_constexpr_and_the_launch_flag_together(monkeypatch):
+def test_launch_args_keep_the_constexpr_and_the_launch_flag_together():
     from dsv4_mtp_hf.ops.triton import pdl
 
     assert pdl.launch_args(torch.device("cpu")) == {"PDL": 0}  # never "launch_pdl" without "PDL"
     assert pdl.inductor_options(torch.device("cpu")) == {}
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
-        assert pdl.launch_args(torch.device("cuda")) == {"PDL": 2, "launch_pdl": True}  # wait, then trigger
-        monkeypatch.setattr(pdl, "trigger", False)
-        assert pdl.launch_args(torch.device("cuda")) == {"PDL": 1, "launch_pdl": True}  # wait only
-    monkeypatch.setattr(pdl, "enabled", False)
-    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": 0}
-    assert pdl.inductor_options(torch.device("cuda", 0)) == {}  # off with ours
+        assert pdl.launch_args(torch.device("cuda")) == {"PDL": 1, "launch_pdl": True}
 
 
 def _chain(x, w1, w3, w2, head):
@@ -40,15 +36,11 @@ def _chain(x, w1, w3, w2, head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trigger", [True, False])
-def test_pdl_chain_equals_classic_launches_eager_and_graphed(monkeypatch, trigger):
-    """With and without the early triggers (a triggered dependent is resident while its predecessor runs)."""
-    from dsv4_mtp_hf.ops.triton import pdl
-
+def test_pdl_chain_graph_replays_equal_eager_calls():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
-    monkeypatch.setattr(pdl, "trigger", trigger)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"seed={SEED}")
+    g = torch.Generator(device="cuda").manual_seed(SEED)
     d, i, v = 4096, 2048, 32768
 
     def rnd(*shape, scale):
@@ -57,11 +49,6 @@ def test_pdl_chain_equals_classic_launches_eager_and_graphed(monkeypatch, trigge
     x, w1, w3 = rnd(1, d, scale=1.0), rnd(i, d, scale=3 / d**0.5), rnd(i, d, scale=3 / d**0.5)
     w2, head = rnd(d, i, scale=1 / i**0.5), rnd(v, d, scale=1 / d**0.5)
     with torch.no_grad():
-        monkeypatch.setattr(pdl, "enabled", False)
-        want_l, want_t = _chain(x, w1, w3, w2, head)
-        monkeypatch.setattr(pdl, "enabled", True)
-        got_l, got_t = _chain(x, w1, w3, w2, head)
-        assert torch.equal(got_l, want_l) and torch.equal(got_t, want_t)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -70,11 +57,10 @@ def test_pdl_chain_equals_classic_launches_eager_and_graphed(monkeypatch, trigge
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out_l, out_t = _chain(x, w1, w3, w2, head)
-        for _ in range(20):  # fresh inputs each replay: a kernel that ran early would read stale values
+        for _ in range(10):  # fresh inputs each replay: a kernel that ran early would read stale values
             x.copy_(rnd(1, d, scale=1.0))
-            monkeypatch.setattr(pdl, "enabled", False)
             want_l, want_t = _chain(x, w1, w3, w2, head)
-            monkeypatch.setattr(pdl, "enabled", True)
+            torch.cuda.synchronize()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out_l, want_l) and torch.equal(out_t, want_t)
+            assert torch.equal(out_l, want_l) and torch.equal(out_t, want_t), f"seed={SEED}"

@@ -6,6 +6,16 @@ import torch
 from dsv4_mtp_hf.ops.sinkhorn import sinkhorn, sinkhorn_op, sinkhorn_reference
 
 
+SEED = 5
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Draws from torch's global generator are seeded here (replay a failure with this seed)."""
+    print(f"seed={SEED}")
+    torch.manual_seed(SEED)
+
+
 def test_cpu_op_and_dispatch_equal_the_reference():
     logits = torch.randn(3, 5, 4, 4) * 2
     want = sinkhorn_reference(logits, 20, 1e-6)

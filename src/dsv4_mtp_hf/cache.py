@@ -109,10 +109,6 @@ class PagedMtpKVCache:
         self.seq_lengths = torch.zeros(0, dtype=torch.long, device=device)
         self.active: list[bool] = []
         self._ragged = None  # (rows, num_new) while inside `ragged()`
-        # Set by its user (GraphedDrafter, speculative_generate): a backend this cache's attention
-        # calls use instead of the config's "auto", and a drafter's per-step FlashInfer plans.
-        self.attention_backend: str | None = None
-        self.attention_plans = None
         for _ in range(batch_size):
             self.add_sequence()
 

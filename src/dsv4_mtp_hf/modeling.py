@@ -74,9 +74,10 @@ class DeepseekV4MtpBlock(nn.Module):
         self.self_attn = MtpAttention(config)
         self.mlp = MtpMoE(config)
 
-    def forward(self, streams, cos, sin, positions, cache=None):
+    def forward(self, streams, cos, sin, positions, cache=None, attention_backend=None, attention_plans=None):
         collapsed, post, comb = self.attn_hc(streams)
-        attn = self.self_attn(self.input_layernorm(collapsed), cos, sin, positions, cache)
+        attn = self.self_attn(self.input_layernorm(collapsed), cos, sin, positions, cache, attention_backend,
+                              attention_plans)
         streams = hc_post(attn, streams, post, comb)
         collapsed, post, comb = self.ffn_hc(streams)
         ffn = self.mlp(self.post_attention_layernorm(collapsed))
@@ -335,26 +336,30 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         if int(input_ids.max()) >= c.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"token ids must lie in [0, vocab_size={c.vocab_size}).")
 
-    def _rows(self, input_ids, hidden_states, position_ids, cache, logits_to_keep: int, draft_vocab: bool):
+    def _rows(self, input_ids, hidden_states, position_ids, cache, logits_to_keep: int, draft_vocab: bool,
+              attention_backend: str | None = None, attention_plans=None):
         """The forward's tensor math, no checks and no host reads: ``(logits, residual)``."""
         shared = self._shared
         device, dtype = self.e_proj.weight.device, self.e_proj.weight.dtype
         embed = shared.embed_tokens(input_ids.to(shared.embed_tokens.weight.device)).to(device=device, dtype=dtype)
         x = project_sum(self.hnorm(hidden_states.to(device=device, dtype=dtype)), self.h_proj, self.enorm(embed), self.e_proj)
         cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
-        residual = self.block(x, cos, sin, position_ids, cache)
+        residual = self.block(x, cos, sin, position_ids, cache, attention_backend, attention_plans)
         h = residual if not logits_to_keep else residual[:, -logits_to_keep:]
         h = self.norm(self.hc_head(h))
         return self._lm_logits(h, shared.lm_head, draft_vocab), residual
 
-    def draft_step(self, tokens: torch.Tensor, residual: torch.Tensor, cache: PagedMtpKVCache, draft_vocab: bool = False):
+    def draft_step(self, tokens: torch.Tensor, residual: torch.Tensor, cache: PagedMtpKVCache, draft_vocab: bool = False,
+                   attention_backend: str | None = None, attention_plans=None):
         """One greedy draft row per sequence on a paged cache, at each sequence's own length:
         ``tokens [B, 1]``, ``residual [B, 1, hc_mult, D]`` -> ``(next tokens [B, 1], logits
         [B, V], residual [B, 1, hc_mult, D])``.  Unlike :meth:`forward` it validates nothing
         and never reads a value back to the host, so ``torch.compile(fullgraph=True)`` and
-        CUDA graphs take it whole; callers pass valid ids (e.g. the previous step's argmax)."""
+        CUDA graphs take it whole; callers pass valid ids (e.g. the previous step's argmax).
+        ``attention_backend`` / ``attention_plans``: as in :meth:`MtpAttention.forward`."""
         positions = cache.seq_lengths.clone().unsqueeze(1)  # a copy: the cache advances its lengths in place
-        logits, residual = self._rows(tokens, residual, positions, cache, 1, draft_vocab)
+        logits, residual = self._rows(tokens, residual, positions, cache, 1, draft_vocab, attention_backend,
+                                      attention_plans)
         logits = logits[:, -1]
         return argmax_last(logits).unsqueeze(-1), logits, residual
 
@@ -369,12 +374,14 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         cache: MtpKVCache | None = None,
         draft_vocab: bool = False,
+        attention_backend: str | None = None,
         **kwargs,
     ) -> DeepseekV4MtpOutput:
         """Row p: residual ``hidden_states[:, p]`` of the target at position p, token
         ``input_ids[:, p] = t_{p+1}``; predicts ``t_{p+2}``.  ``labels[:, p]`` (optional) is
         that ``t_{p+2}``; -100 ignores a row.  ``draft_vocab=True`` computes logits only for
-        the draft vocabulary (see :meth:`set_draft_vocab`); the other entries are ``-inf``."""
+        the draft vocabulary (see :meth:`set_draft_vocab`); the other entries are ``-inf``.
+        ``attention_backend`` overrides ``config.attention_backend`` for this call."""
         self._require_bound()
         if cache is not None:
             past_key_values = cache
@@ -396,7 +403,8 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
                 f"position {int(position_ids.max())} is beyond max_position_embeddings="
                 f"{self.config.max_position_embeddings} of this MTP."
             )
-        logits, residual = self._rows(input_ids, hidden_states, position_ids, past_key_values, logits_to_keep, draft_vocab)
+        logits, residual = self._rows(input_ids, hidden_states, position_ids, past_key_values, logits_to_keep, draft_vocab,
+                                      attention_backend)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(

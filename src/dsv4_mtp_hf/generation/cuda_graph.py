@@ -1,14 +1,14 @@
 """K chained greedy MTP draft steps captured once in a CUDA graph and replayed.
 
 A draft step at batch 1 is hundreds of small kernels: eagerly it is bound by launch and
-Python overhead, not by the bytes it reads (BENCHMARKS.md).  :class:`GraphedDrafter`
+Python overhead, not by the bytes it reads.  :class:`GraphedDrafter`
 records K single-row MTP steps on a :class:`~dsv4_mtp_hf.cache.PagedMtpKVCache` (static
 shapes, lengths updated in place on the device), each step feeding its argmax token and
 its own residual to the next, and replays them with one launch.  Inputs go through
-static buffers; the cache must not be re-planned between capture and replay.  With the
-FlashInfer attention each step has its own planned wrapper over fixed metadata buffers;
-the host re-plans them (from the cache's lengths) before capturing and before every replay,
-so each step sees its own key count while the context is shorter than the window.
+static buffers.  With the FlashInfer attention the drafter owns one planned wrapper per step
+over fixed metadata buffers (``attention_plans``, passed to each step's attention call); the
+host re-plans them (from the cache's lengths) before capturing and before every replay, so each
+step sees its own key count while the context is shorter than the window.
 
 ``compile=True`` first compiles the step (:meth:`DeepseekV4MtpForCausalLM.draft_step`) with
 ``torch.compile(fullgraph=True)``: Inductor fuses the ~200 small kernels of a step (norms,
@@ -23,14 +23,9 @@ import torch
 from ..cache import PagedMtpKVCache
 
 
-# The default of ``GraphedDrafter(eager_rounding=None)``: off until it is timed on a GPU (the CPU facts are in
-# :meth:`GraphedDrafter.compile_step`; ``benchmarks/draft_step.py`` times and checks both).
-eager_rounding = False
-
-
 class GraphedDrafter:
     def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False,
-                 compile: bool = False, compile_mode: str | None = None, eager_rounding: bool | None = None):
+                 compile: bool = False, compile_mode: str | None = None):
         if not isinstance(cache, PagedMtpKVCache):
             raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
         if num_drafts < 1 or num_drafts - 1 > cache.max_draft_tokens:
@@ -45,34 +40,22 @@ class GraphedDrafter:
         # FlashInfer attention only when named: under "auto" the drafted steps keep the reference attention,
         # which torch.compile fuses and captures (inside the graph FlashInfer measured no faster at these shapes,
         # BENCHMARKS.md, and its per-drafter plan handle would make torch.compile specialise per drafter).
-        # With FlashInfer: one graph-safe plan per step.
-        cache.attention_backend = "reference" if c.attention_backend == "auto" else None
-        self.attention_plans = cache.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts)
+        # With FlashInfer: one graph-safe plan per step, owned here and passed to every step.
+        self.attention_backend = "reference" if c.attention_backend == "auto" else None  # None: the config's
+        self.attention_plans = mtp.block.self_attn.new_flashinfer_plans(cache, num_drafts, self.attention_backend)
         self.step, self.compiled = mtp.draft_step, False
-        self.eager_rounding = globals()["eager_rounding"] if eager_rounding is None else bool(eager_rounding)
         if compile:
             self.compile_step(compile_mode)
 
     def compile_step(self, mode: str | None = None) -> None:
         """Run the steps through ``torch.compile(fullgraph=True)`` from now on (compiled at the
-        first call -- the warm-up of :meth:`capture` -- and back to the uncompiled step, with
-        a warning, if that fails).  ``dynamic=False``: one specialisation per batch size.  On
-        sm_90+ the generated kernels launch with PDL like ours (``ops/triton/pdl.py``).
-
-        ``eager_rounding`` (the constructor's, else the module's ``eager_rounding``): Inductor
-        rounds every bf16 / fp16 intermediate of its fused kernels where the uncompiled step
-        rounds it (``emulate_precision_casts``).  Fused, those intermediates stay in fp32: as
-        accurate, but a different rounding of the same math.  On CPU (bf16 weights, one step):
-        the tiny model's compiled steps are then bitwise the uncompiled ones
-        (``tests/test_draft_step.py``); at V4-Flash size the logits move 4.2e-3 from the
-        uncompiled step's instead of 8.0e-3 (the bf16 reference is 7.2e-3 from fp32): reductions
-        summed in another order still flip a few roundings, and every later rounding spreads them."""
+        first call -- the warm-up of :meth:`capture`; a failure there raises).  ``dynamic=False``:
+        one specialisation per batch size.  On sm_90+ the generated kernels launch with PDL like
+        ours (``ops/triton/pdl.py``)."""
         import torch._inductor
         import torch._inductor.config
 
         options = dict(torch._inductor.list_mode_options(mode or "default"))
-        if self.eager_rounding and hasattr(torch._inductor.config, "emulate_precision_casts"):
-            options["emulate_precision_casts"] = True
         device = self.mtp.e_proj.weight.device
         if device.type == "cuda":
             from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
@@ -91,7 +74,8 @@ class GraphedDrafter:
             self.attention_plans.rewind()  # step k attends with FlashInfer plan k
         tok, res, drafts, logits = self.tokens, self.residual, [], []
         for _ in range(self.num_drafts):
-            tok, step_logits, res = self.step(tok, res, self.cache, self.draft_vocab)
+            tok, step_logits, res = self.step(tok, res, self.cache, self.draft_vocab, self.attention_backend,
+                                              self.attention_plans)
             drafts.append(tok)
             logits.append(step_logits)
         if self.num_drafts == 1:
@@ -133,16 +117,14 @@ class GraphedDrafter:
         with torch.cuda.stream(side):
             try:  # compiles (when asked) outside the capture
                 self._warm_up(warmup, lengths)
-            except Exception as err:  # noqa: BLE001 - e.g. no C compiler, a graph break: stay correct
+            except Exception as err:
+                self.cache.seq_lengths.copy_(lengths)
                 if not self.compiled:
                     raise
-                import warnings
-
-                warnings.warn(f"torch.compile of the MTP draft step failed ({type(err).__name__}: {str(err)[:500]}); "
-                              "capturing the uncompiled step.")
-                self.cache.seq_lengths.copy_(lengths)
-                self.step, self.compiled = self.mtp.draft_step, False
-                self._warm_up(warmup, lengths)
+                raise RuntimeError(
+                    f"torch.compile of the MTP draft step failed ({type(err).__name__}: {str(err)[:500]}). "
+                    "Pass `compile=False` to GraphedDrafter to capture the uncompiled step."
+                ) from err
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -4,13 +4,13 @@ import torch
 from torch import nn
 
 from ..cache import PagedMtpKVCache
-from ..ops.attention import sliding_window_attention_reference, window_attention
+from ..ops.attention import sliding_window_attention
 from ..ops.attention_flashinfer import (
     FlashInferWindowPlans,
     select_attention_backend,
     sliding_window_attention_flashinfer,
 )
-from ..ops.skinny_linear import skinny_linear, use_skinny
+from ..ops.skinny_linear import grouped_linear
 from .linear import project
 from .norms import RMSNorm, rms_normalize
 from .rope import apply_rope
@@ -37,10 +37,7 @@ class GroupedOutputProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_skinny(x.flatten(-2), self.weight):  # a draft step's few rows on CUDA: one weight-streaming launch
-            return skinny_linear(x.flatten(-2), self.weight, self.groups)
-        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
-        return torch.einsum("...gi,goi->...go", x, w).flatten(-2)
+        return grouped_linear(x, self.weight, self.groups)
 
 
 class MtpAttention(nn.Module):
@@ -64,39 +61,36 @@ class MtpAttention(nn.Module):
         self._flashinfer_plans = {}  # (device, dtype) -> FlashInferWindowPlans for calls without a drafter
 
     def attention_backend(self, dtype: torch.dtype, device: torch.device, rows: int, cache,
-                          needs_grad: bool = False) -> str:
+                          needs_grad: bool = False, requested: str | None = None) -> str:
         """``"flashinfer"`` or ``"reference"`` for a call of ``rows`` query rows (SPEC §8):
-        ``config.attention_backend`` "auto" picks FlashInfer where it runs, "flashinfer" raises
-        where it does not.  A cache may pin its own backend (``cache.attention_backend``, as
-        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` does under "auto")."""
-        requested = getattr(cache, "attention_backend", None) or self.config.attention_backend
-        return select_attention_backend(requested, dtype, device, self.head_dim, rows,
-                                        isinstance(cache, PagedMtpKVCache), needs_grad)
+        ``requested`` (default ``config.attention_backend``) "auto" picks FlashInfer where it runs,
+        "flashinfer" raises where it does not."""
+        return select_attention_backend(requested or self.config.attention_backend, dtype, device, self.head_dim,
+                                        rows, isinstance(cache, PagedMtpKVCache), needs_grad)
 
-    def new_flashinfer_plans(self, cache, steps: int) -> FlashInferWindowPlans | None:
+    def new_flashinfer_plans(self, cache, steps: int, attention_backend: str | None = None) -> FlashInferWindowPlans | None:
         """Graph-safe FlashInfer plans for ``steps`` chained one-row steps on ``cache`` (what
-        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` captures); None when such a
-        step runs on the reference attention."""
+        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` owns and passes to each call);
+        None when such a step runs on the reference attention."""
         w = self.q_b_proj.weight
-        if self.attention_backend(w.dtype, w.device, cache.batch_size, cache) != "flashinfer":
+        if self.attention_backend(w.dtype, w.device, cache.batch_size, cache, requested=attention_backend) != "flashinfer":
             return None
         return FlashInferWindowPlans(self.num_heads, self.head_dim, self.window, self.scale, w.dtype, w.device,
                                      steps=steps, rows=cache.batch_size)
 
-    def _plans_for(self, q: torch.Tensor, cache) -> FlashInferWindowPlans:
-        plans = getattr(cache, "attention_plans", None)  # a GraphedDrafter's per-step plans
-        if plans is None:
-            key = (q.device, q.dtype)
-            if key not in self._flashinfer_plans:
-                self._flashinfer_plans[key] = FlashInferWindowPlans(
-                    self.num_heads, self.head_dim, self.window, self.scale, q.dtype, q.device
-                )
-            plans = self._flashinfer_plans[key]
-        return plans
+    def _dynamic_plans(self, q: torch.Tensor) -> FlashInferWindowPlans:
+        key = (q.device, q.dtype)
+        if key not in self._flashinfer_plans:
+            self._flashinfer_plans[key] = FlashInferWindowPlans(self.num_heads, self.head_dim, self.window, self.scale,
+                                                                q.dtype, q.device)
+        return self._flashinfer_plans[key]
 
-    def forward(self, h, cos, sin, positions, cache=None):
-        """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` a
-        :class:`~dsv4_mtp_hf.cache.MtpKVCache` or None."""
+    def forward(self, h, cos, sin, positions, cache=None, attention_backend: str | None = None,
+                attention_plans: FlashInferWindowPlans | None = None):
+        """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` an MTP cache
+        or None.  ``attention_backend`` overrides ``config.attention_backend`` for this call;
+        ``attention_plans``: the caller's FlashInfer plans (a drafter's per-step plans), else the
+        layer plans each FlashInfer call itself."""
         b, s, _ = h.shape
         q_lat, kv = project(h, self.q_a_proj, self.kv_proj)  # one launch on CUDA for a few rows
         q = project(self.q_a_norm(q_lat), self.q_b_proj).view(b, s, self.num_heads, self.head_dim)
@@ -110,12 +104,12 @@ class MtpAttention(nn.Module):
         else:
             kv_positions = positions
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-        if self.attention_backend(q.dtype, q.device, b * s, cache, needs_grad) == "flashinfer":
+        if self.attention_backend(q.dtype, q.device, b * s, cache, needs_grad, attention_backend) == "flashinfer":
             # the paged cache's keys: W-1 held columns, then the S new ones at kv_positions[:, -s] onward
-            o = sliding_window_attention_flashinfer(q, kv, kv_positions[:, -s], self.sinks, self._plans_for(q, cache))
+            plans = attention_plans if attention_plans is not None else self._dynamic_plans(q)
+            o = sliding_window_attention_flashinfer(q, kv, kv_positions[:, -s], self.sinks, plans)
         else:
-            attend = window_attention if q.is_cuda and not needs_grad else sliding_window_attention_reference
-            o = attend(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)  # one kernel on CUDA
+            o = sliding_window_attention(q, kv, positions, kv_positions, self.sinks, self.window, self.scale)
         o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
         o = self.o_a_proj(o.reshape(b, s, self.o_groups, -1))
         return project(o, self.o_b_proj)

@@ -9,7 +9,7 @@ The op's CUDA registration (``ops/triton/attention_triton.py``) computes a draft
 one query row per sequence in one launch (scores, masked online softmax with the sink,
 probabilities times the shared KV; at small batch the keys are split over programs and
 combined by the last one, flash-decoding); as fp32 cuBLAS GEMMs plus softmax the same math
-took ~16 µs of a V4-Flash batch-1 step (BENCHMARKS.md, 2026-11-30).  Everything else
+took ~16 µs of a V4-Flash batch-1 step.  Everything else
 -- CPU, more query rows, shapes the kernel does not tile -- runs the reference below.
 """
 
@@ -86,6 +86,15 @@ def window_attention(q: torch.Tensor, kv: torch.Tensor, q_positions: torch.Tenso
 def _(q, kv, q_positions, kv_positions, sinks, window, scale):
     check_window_attention_inputs(q, kv, q_positions, kv_positions, sinks)
     return torch.empty_like(q)
+
+
+def sliding_window_attention(q, kv, q_positions, kv_positions, sinks, window: int, scale: float) -> torch.Tensor:
+    """The attention for the layers: ``dsv4_mtp::window_attention`` on CUDA outside autograd (its
+    kernel where it tiles the shape), the reference math otherwise (CPU; training: the op has no
+    backward)."""
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+    attend = window_attention if q.is_cuda and not needs_grad else sliding_window_attention_reference
+    return attend(q, kv, q_positions, kv_positions, sinks, window, scale)
 
 
 def register_cuda_kernels() -> bool:

@@ -16,8 +16,6 @@ from ._kernels import register_triton_kernels
 from .sinkhorn import sinkhorn, sinkhorn_reference
 
 LIB = "dsv4_mtp"
-# False: CUDA runs the reference math too (to measure or rule out the fused kernels).
-use_fused_kernels = True
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
@@ -87,7 +85,7 @@ def _(x, fn, base, scale, hc_eps, rms_eps):
 def _use_op(x: torch.Tensor, *params: torch.Tensor) -> bool:
     # The op has no autograd formula: training (and CPU, where the reference is as good) runs
     # the reference directly.
-    return use_fused_kernels and x.is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
+    return x.is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
 
 
 def hc_pre(x, fn, base, scale, iters: int, hc_eps: float, rms_eps: float):

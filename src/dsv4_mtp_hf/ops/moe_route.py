@@ -4,8 +4,8 @@
 ``s`` at the chosen experts, renormalised, times the routed scaling factor.  As PyTorch ops
 that is a weight cast, an fp32 GEMM, a softplus/sqrt kernel and a two-kernel ``topk`` --
 about 20 us and five graph nodes per draft step at batch 1.  The CUDA registration
-(``ops/triton/moe_route_triton.py``) reads the bf16 gate once and selects in registers, in two
-launches.  The reference below is the source of truth (CPU, autograd).
+(``ops/triton/moe_route_triton.py``) reads the bf16 gate once and selects in registers, in
+one launch.  The reference below is the source of truth (CPU, autograd).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from ._kernels import register_triton_kernels
 
 LIB = "dsv4_mtp"
-use_fused_kernels = True  # False: CUDA runs the reference too (to measure or rule out the kernel)
 
 
 def moe_route_reference(h, weight, bias, top_k: int, scaling: float, normalize: bool):
@@ -44,7 +43,7 @@ def _(h, weight, bias, top_k, scaling, normalize):
 
 def moe_route(h, weight, bias, top_k: int, scaling: float, normalize: bool):
     """CUDA tensors outside autograd go through the op (the fused kernels when registered)."""
-    if use_fused_kernels and h.is_cuda and h.dim() == 2 and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+    if h.is_cuda and h.dim() == 2 and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         return moe_route_op(h.contiguous(), weight, bias, top_k, scaling, normalize)
     return moe_route_reference(h, weight, bias, top_k, scaling, normalize)
 

@@ -9,7 +9,7 @@ kernels plus a reduction launch (~133 us per step for ~80 us of bytes).  The CUD
 registration (``ops/triton/skinny_linear_triton.py``) streams each weight once in one launch
 (two when N is too small to fill the GPU without splitting K), with projections that read the
 same input concatenated into one launch (``skinny_linear_cat``) -- each output element is the
-same dot product, so fusing changes no math.  Measured on the H200 (BENCHMARKS.md, 2026-11-30):
+same dot product, so fusing changes no math.  Measured on the H200 (``benchmarks/linear_op.py``):
 on par with cuBLAS on the single 64 MB weights, 1.35-1.43x on the fused pairs (no split-K
 reduction launches), -14 us per compiled + graphed batch-1 draft step.
 
@@ -41,12 +41,9 @@ from ._kernels import register_triton_kernels
 LIB = "dsv4_mtp"
 MAX_ROWS = 16  # rows (batch x tokens) up to which the layers use the op on CUDA
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the ops take
-# What the layers route through the ops: bf16, the dtype measured faster than cuBLAS on the H200
-# (BENCHMARKS.md, 2026-11-30).  The fp32 kernel path (FMA dot) is correct but measured slower than
+# What the layers route through the ops: bf16, the dtype measured faster than cuBLAS on the H200.  The fp32 kernel path (FMA dot) is correct but measured slower than
 # cuBLAS on the small fp32 GEMVs, and fp16 is untimed: both keep F.linear in the layers.
 ROUTED_DTYPES = (torch.bfloat16,)
-# False: CUDA runs F.linear (cuBLAS) as before (to measure or rule out the kernels).
-use_fused_kernels = True
 
 
 def check_skinny_inputs(x: torch.Tensor, weights: Sequence[torch.Tensor], groups: int = 1) -> None:
@@ -174,7 +171,7 @@ def mtp_dense_shapes(config) -> list[tuple[str, tuple[int, ...], int, int, torch
 def use_skinny(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the layers route ``x [..., K]`` through the ops: CUDA, bf16 (``ROUTED_DTYPES``), at
     most ``MAX_ROWS`` rows, weights of x's dtype on x's device, no autograd (the ops have no backward)."""
-    if not (use_fused_kernels and x.is_cuda and x.dtype in ROUTED_DTYPES and x.dim() >= 1 and x.shape[-1] > 0):
+    if not (x.is_cuda and x.dtype in ROUTED_DTYPES and x.dim() >= 1 and x.shape[-1] > 0):
         return False
     if x.numel() // x.shape[-1] > MAX_ROWS:
         return False
@@ -194,6 +191,14 @@ def linear_weights(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor | tu
     else:
         out = tuple(skinny_linear_cat(x, weights).split([w.shape[0] for w in weights], -1))
     return out[0] if len(out) == 1 else out
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``x [..., G, K]`` x ``weight [G*N, K]`` grouped (``wo_a``) -> ``[..., G*N]``: one weight-streaming
+    launch where :func:`use_skinny` holds, the einsum of the reference otherwise."""
+    if use_skinny(x.flatten(-2), weight):
+        return skinny_linear(x.flatten(-2), weight, groups)
+    return torch.einsum("...gi,goi->...go", x, weight.view(groups, -1, weight.shape[-1])).flatten(-2)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:

@@ -1,15 +1,11 @@
-"""Triton kernels behind ``dsv4_mtp::hc_pre`` / ``dsv4_mtp::hc_head`` on CUDA.
+"""Triton kernels behind ``dsv4_mtp::hc_pre`` / ``dsv4_mtp::hc_head`` on CUDA, two launches:
 
-Two launches per call, fixed grids (CUDA-graph safe, no host sync, deterministic):
-
-1. ``_mix_partial_kernel`` grid ``(T, SPLIT)``: the ``[M, n*D]`` fp32 GEMV split along K,
-   each program writing its ``M`` partial dot products and its partial sum of squares
-   (the RMS factor) to a small fp32 workspace ``[T, SPLIT, M_PAD + 1]``.
-2. ``_finish_kernel`` grid ``(T, cdiv(D, BLOCK_D))``: every program sums the partials in a
-   fixed order, forms the RMS-scaled ``pre`` mixes and collapses its slice of D:
-   ``y = sum_j pre_j x_j``.  The few flops of ``pre`` are recomputed per D block rather than
-   paying a third launch; block 0 alone also forms ``post`` and the Sinkhorn ``comb`` and
-   writes them (its x load is issued first, so that its latency overlaps the Sinkhorn).
+1. ``_mix_partial_kernel`` grid ``(T, SPLIT)``: the ``[M, n*D]`` fp32 GEMV split along K, each
+   program writing its M partial dots and partial sum of squares (the RMS factor).
+2. ``_finish_kernel`` grid ``(T, cdiv(D, BLOCK_D))``: each program sums the partials in a fixed
+   order, forms ``pre`` (a few flops, recomputed per block instead of a third launch) and collapses
+   its slice of D; block 0 alone also forms ``post`` and the Sinkhorn ``comb``.
+Fixed grids, no host sync: CUDA-graph safe and deterministic.
 """
 
 from __future__ import annotations

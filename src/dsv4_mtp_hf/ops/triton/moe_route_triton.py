@@ -1,16 +1,11 @@
 """Triton kernels behind ``dsv4_mtp::moe_route`` on CUDA (decode-sized batches).
 
-1. ``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` gate rows per program read
-   in bf16 straight from the weight (no fp32 copy of it), fp32 dot products, then
-   ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace.
-2. the top-k of ``score + bias`` by k rounds of max / lowest index among the maxima / mask,
-   weights from the unbiased scores, renormalised and scaled (``_topk_row``): by the token's
-   last-arriving scores program (an acq_rel ticket, ``TICKET_TOPK``, one launch), or by
-   ``_topk_kernel`` grid ``(T,)`` in one warp (a graph captured before any eager call; the same
-   bits either way).
-
-Fixed grids, no host sync (CUDA-graph safe), deterministic.  Prefill-sized batches (more
-than ``MAX_TOKENS`` rows) go to the reference, whose GEMM is the better tool there.
+``_scores_kernel`` grid ``(T, cdiv(E, BLOCK_E))``: ``BLOCK_E`` bf16 gate rows per program, fp32
+dots, ``sqrt(softplus(.))`` into an fp32 ``[T, E]`` workspace; the token's last-arriving program
+(an acq_rel ticket) then takes the top-k of ``score + bias`` (``_topk_row``: k rounds of max /
+lowest index / mask; weights from the unbiased scores, renormalised, scaled).  A graph captured
+before any eager call allocated the tickets runs ``_topk_kernel`` as a second launch (same bits).
+Fixed grids, no host sync, deterministic; more than ``MAX_TOKENS`` rows run the reference's GEMM.
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ from .persistent import persistent_zeros
 
 MAX_TOKENS = 64
 BLOCK_E = 2  # gate rows per program: 128 programs per token for 256 experts
-# The top-k by the token's last scores program (a ticket) instead of a second launch (thirteenth session).
-TICKET_TOPK = True
 
 
 @triton.jit
@@ -96,10 +89,10 @@ def _topk_kernel(s_ptr, bias_ptr, w_ptr, id_ptr, E, SCALING: tl.constexpr, NORMA
     _topk_row(s_ptr, bias_ptr, w_ptr, id_ptr, tl.program_id(0), E, SCALING, NORMALIZE, TOP_K, E_PAD, K_PAD, False)
 
 
-def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: bool, ticket: bool | None = None):
-    """Scores and top-k; ``ticket`` (default: ``TICKET_TOPK``): the top-k inside the scores kernel, by the
-    token's last program (tickets from ``persistent_zeros``; the separate top-k kernel while a graph is
-    captured before any eager call allocated them)."""
+def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: bool):
+    """Scores and top-k in one launch: the top-k by the token's last scores program (tickets from
+    ``persistent_zeros``; a separate top-k launch while a graph is captured before any eager call
+    allocated them)."""
     t, d = h.shape
     e = weight.shape[0]
     scores = torch.empty(t, e, dtype=torch.float32, device=h.device)
@@ -109,9 +102,7 @@ def moe_route_triton(h, weight, bias, top_k: int, scaling: float, normalize: boo
         pdl_kw = pdl.launch_args(h.device)
         topk_kw = dict(SCALING=float(scaling), NORMALIZE=bool(normalize), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
                        K_PAD=triton.next_power_of_2(top_k))
-        tickets = None
-        if TICKET_TOPK if ticket is None else ticket:
-            tickets = persistent_zeros("moe_route_tickets", h.device, max(t, MAX_TOKENS), torch.int32)
+        tickets = persistent_zeros("moe_route_tickets", h.device, max(t, MAX_TOKENS), torch.int32)
         _scores_kernel[(t, triton.cdiv(e, BLOCK_E))](h, weight, scores, bias, weights, ids,
                                                       tickets if tickets is not None else ids, e, D=d, BLOCK_E=BLOCK_E,
                                                       BLOCK_K=min(triton.next_power_of_2(d), 4096),

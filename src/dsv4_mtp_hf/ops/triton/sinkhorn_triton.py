@@ -38,20 +38,17 @@ def sinkhorn_triton(logits: torch.Tensor, iters: int, eps: float, block_t: int =
     return out.view(logits.shape)
 
 
-_KERNEL_FAILED: list[str] = []  # set once if the kernel cannot be built here
-
-
 @sinkhorn_op.register_kernel("cuda")
 def _sinkhorn_cuda(logits, iters, eps):
     n = logits.shape[-1]
-    if _KERNEL_FAILED or logits.dim() < 2 or logits.shape[-2] != n or n & (n - 1) or iters < 1:
+    if logits.dim() < 2 or logits.shape[-2] != n or n & (n - 1) or iters < 1:
         return sinkhorn_reference(logits.float(), iters, eps)  # square, power-of-two n only
     try:
         with torch.cuda.device(logits.device):  # Triton launches on the current device, not the tensor's
             return sinkhorn_triton(logits, iters, eps)
-    except Exception as err:  # noqa: BLE001 - e.g. a Triton build failure: stay correct, say so once
-        import warnings
-
-        _KERNEL_FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"dsv4_mtp::sinkhorn Triton kernel failed ({_KERNEL_FAILED[0]}); using the reference math.")
-        return sinkhorn_reference(logits.float(), iters, eps)
+    except Exception as err:
+        raise RuntimeError(
+            f"dsv4_mtp::sinkhorn: the Triton kernel failed for logits {tuple(logits.shape)} {logits.dtype} on "
+            f"{logits.device} (iters={iters}): {type(err).__name__}: {err}. Check the Triton install "
+            "(`python -c 'import triton'`, a CUDA toolchain it supports), or run without CUDA kernels on CPU."
+        ) from err

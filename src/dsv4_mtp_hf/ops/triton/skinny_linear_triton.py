@@ -1,56 +1,32 @@
 """Triton kernels behind ``dsv4_mtp::skinny_linear`` / ``_cat`` / ``_sum`` on CUDA.
 
-A weight-streaming GEMM for a few rows (M <= 64; the layers send M <= 16): the weight is the
-A operand, ``acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ x[BLOCK_M, BLOCK_K]^T`` ("swap AB",
-rows padded to 16 with masked loads that read nothing), so the tensor cores take the few
-rows for free and Triton's software pipeliner keeps ``num_stages - 1`` weight tiles in flight
-per program (cp.async into shared memory).  One program per ``BLOCK_N`` output columns:
-
-* ``_skinny_kernel`` grid ``(tiles, SPLIT)``.  With ``SPLIT == 1`` (N fills the GPU: every
-  MTP projection but ``wq_a``+``wkv``) each program streams its rows over the whole K and
-  writes the result -- one launch, no workspace.  With ``SPLIT > 1`` program ``(t, s)``
-  covers the K range ``[s*K_SPLIT, (s+1)*K_SPLIT)`` and writes fp32 partials to a
-  ``[SPLIT, M, N]`` workspace ...
-* ... which ``_reduce_kernel`` sums in the fixed order s = 0, 1, ... (second launch).
-* Two weights sharing the input (``skinny_linear_cat``): programs ``< TILES0`` take ``w0``,
-  the others ``w1``, writing columns ``N0 + ...`` of one output.
-* Groups (``wo_a``): program t's rows lie in group ``t*BLOCK_N // N_PER_GROUP`` (BLOCK_N
-  divides the group), which reads x columns ``[g*K, (g+1)*K)``.
-* ``_skinny_sum_kernel`` (``skinny_linear_sum``): one accumulator walks ``w0`` along K0 with
-  ``x0``, then ``w1`` along K1 with row ``m // R`` of ``x1``; never split along K.
-
-No atomics, fixed grids, no host sync: CUDA-graph safe and deterministic.  The launch
-configuration is a pure function of the shapes (:func:`pick_config`); the K-split decides
-the summation order, block sizes, warps and stages do not change which products are summed
-in which order along K (the MMA chain walks K in 16-wide steps either way).
+A weight-streaming GEMM for a few rows (M <= 64): the weight is the A operand ("swap AB",
+``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16 by masked loads), so the tensor cores
+take the few rows for free and the software pipeliner keeps ``num_stages - 1`` weight tiles in
+flight.  One program per ``BLOCK_N`` output columns; when N alone cannot fill the GPU, K is
+split over ``SPLIT`` programs writing fp32 partials that ``_reduce_kernel`` sums in a fixed order.
+Two weights sharing the input (``_cat``) are two tile ranges of one launch; grouped ``wo_a``
+reads x columns ``[g*K, (g+1)*K)`` for group g; ``_skinny_sum_kernel`` walks ``w0`` then ``w1``
+into one accumulator.  No atomics, fixed grids, no host sync: CUDA-graph safe, deterministic.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..skinny_linear import (
-    DTYPES,
-    check_skinny_sum_inputs,
-    skinny_linear_sum_op,
-    skinny_linear_sum_reference,
-    skinny_linear_cat_op,
-    skinny_linear_cat_reference,
-    skinny_linear_op,
-    skinny_linear_reference,
-)
+from ..skinny_linear import (DTYPES, check_skinny_inputs, check_skinny_sum_inputs, skinny_linear_cat_op,
+                             skinny_linear_cat_reference, skinny_linear_op, skinny_linear_reference,
+                             skinny_linear_sum_op, skinny_linear_sum_reference)
 from . import pdl
 from .pdl import wait
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference (cuBLAS) runs: a GEMM, not a weight stream
 REDUCE_BLOCK = 1024
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU debugging / tests: bf16 dot upcast to fp32
 
 
 @dataclass(frozen=True)
@@ -82,7 +58,7 @@ def _acc_tile(acc, x_ptr, w_ptr, M, Nw, K, stride_xm, stride_wn, n_tile, x_col0,
             kmask = (k_lo + k + rk) < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
-        if FP32:  # fp32 data, or the CPU interpreter (its dot misreads bf16 operands)
+        if FP32:  # fp32 data: exact fp32 products, as F.linear
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
@@ -173,9 +149,8 @@ def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, dtype: torch.d
     the kernel does not take the shape).  The tallest tile (64 or 32 rows) that still gives about
     one program per SM, each streaming 16-32 KB of weight per pipeline stage; split K only when
     N alone cannot fill the GPU.  Measured back to back in a CUDA graph on the H200
-    (``benchmarks/linear_op.py --stream``, BENCHMARKS.md 2026-11-30): one program of 32 rows per
-    SM beats two of 16 on every 4096-row weight (e/h 23.7 -> 20.6 µs, wo_b 23.2 -> 20.5 µs,
-    shared w1+w3 12.9 -> 11.2 µs), and 64-row tiles beat 32 on wo_a (18.9 -> 18.1 µs)."""
+    (``benchmarks/linear_op.py``): one program of 32 rows per SM beats two of 16 on every
+    4096-row weight (~13%), and 64-row tiles beat 32 on ``wo_a``."""
     fp32 = dtype == torch.float32
     n_per_group = ns[0] // groups if groups > 1 else 0
 
@@ -246,7 +221,7 @@ def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: i
     _skinny_kernel[grid](
         x, w0, w1, target, m, ns[0], ns[1] if len(ns) > 1 else 0, k, x.stride(0), w0.stride(0), w1.stride(0), n,
         m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32 or _INTERPRET,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32,
         TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
     )
     if split > 1:
@@ -267,8 +242,6 @@ def kernel_takes(x: torch.Tensor, weights: list[torch.Tensor], groups: int = 1) 
 
 @skinny_linear_op.register_kernel("cuda")
 def _skinny_linear_cuda(x, weight, groups=1):
-    from ..skinny_linear import check_skinny_inputs
-
     check_skinny_inputs(x, [weight], groups)
     if not kernel_takes(x, [weight], groups):
         return skinny_linear_reference(x, weight, groups)
@@ -278,8 +251,6 @@ def _skinny_linear_cuda(x, weight, groups=1):
 
 @skinny_linear_cat_op.register_kernel("cuda")
 def _skinny_linear_cat_cuda(x, weights):
-    from ..skinny_linear import check_skinny_inputs
-
     check_skinny_inputs(x, weights)
     if not kernel_takes(x, list(weights)):
         return skinny_linear_cat_reference(x, weights)
@@ -318,7 +289,7 @@ def skinny_linear_sum_triton(x0: torch.Tensor, w0: torch.Tensor, x1: torch.Tenso
     _skinny_sum_kernel[(triton.cdiv(n, bn),)](
         x0, w0, x1, w1, out, m, n, x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0), n, K0=k0, K1=k1,
         X1_DIV=m // x1.shape[0], BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
-        FP32=x0.dtype == torch.float32 or _INTERPRET, num_warps=config.num_warps,
+        FP32=x0.dtype == torch.float32, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_args(x0.device),
     )
     return out
