@@ -170,21 +170,6 @@ def draw_until_clear(attempt, tries: int = 20) -> int:
     raise AssertionError(f"{tries} draws failed, each with a choice within {DecisionMargins.EPS} of a tie: {near}")
 
 
-# The start of an offline sm_90 build script (run by ``run_under_triton_interpreter``): compile for real with
-# Triton's own ptxas and ``benchmarks/sass_count.py`` as ``sc``; a Triton without ptxas passes as skipped.
-SM90_BUILD_PREAMBLE = """
-import os, re, sys
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real (decorators read it at import)
-import dsv4_mtp_hf
-root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dsv4_mtp_hf.__file__))))
-sys.path.insert(0, os.path.join(root, "benchmarks"))
-import sass_count as sc
-if not os.path.exists(os.path.join(sc.BIN, "ptxas")):
-    print("OK skipped: this Triton has no ptxas")
-    sys.exit(0)
-"""
-
-
 def run_under_triton_interpreter(script: str, timeout: int = 600) -> None:
     """Run ``script`` (it prints "OK ..." when its checks pass) with ``TRITON_INTERPRET=1`` in a Python
     that has Triton -- this one, or the scratch venv /tmp/tv -- and skip when there is none."""

@@ -110,25 +110,19 @@ def _(x, router_weight, router_bias, top_k, routed_scaling, norm_topk_prob, w13,
     return torch.empty_like(x), torch.empty_like(x)
 
 
-# False: the CUDA registration runs the halves one after the other on the current stream (to
-# measure the overlap side by side: ``benchmarks/draft_step.py --quick``).
-use_side_stream = True
-# The routed half (router + FP4 kernels, the critical path) runs on a high-priority stream, the
-# shared expert on the current one: when both have blocks waiting, the SMs take the routed ones
-# first.  torch instantiates CUDA graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a
-# captured kernel keeps the priority of the stream it was captured on.  False: a normal-priority
-# side stream (to measure the difference).
-use_priority = True
-_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
+# The routed half (router + FP4 kernels, the critical path) runs on a high-priority side stream, the
+# shared expert on the current one: when both have blocks waiting, the SMs take the routed ones first.
+# torch instantiates CUDA graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a captured kernel
+# keeps the priority of the stream it was captured on.
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _routed_stream(device: torch.device) -> torch.cuda.Stream:
-    """The routed half's stream, created once per device (and priority setting)."""
-    key = (device, use_priority)
-    if key not in _STREAMS:
+    """The routed half's stream, created once per device."""
+    if device not in _STREAMS:
         # a number below the device's range maps to its highest priority (torch.cuda.Stream)
-        _STREAMS[key] = torch.cuda.Stream(device, priority=-100 if use_priority else 0)
-    return _STREAMS[key]
+        _STREAMS[device] = torch.cuda.Stream(device, priority=-100)
+    return _STREAMS[device]
 
 
 @mtp_moe.register_kernel("cuda")
@@ -137,8 +131,6 @@ def _mtp_moe_cuda(x, router_weight, router_bias, top_k, routed_scaling, norm_top
     _check(x, router_weight, shared_w1, shared_w3, shared_w2)
     routed_args = (x, router_weight, router_bias, top_k, routed_scaling, norm_topk_prob, w13, w13_scale, w13_global,
                    w2, w2_scale, w2_global, fmt, swiglu_limit)
-    if not use_side_stream:
-        return _routed(*routed_args), shared_expert(x, shared_w1, shared_w3, shared_w2, swiglu_limit)
     main = torch.cuda.current_stream(x.device)
     side = _routed_stream(x.device)
     side.wait_stream(main)  # fork: x (and everything before it) is ready
