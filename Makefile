@@ -6,7 +6,7 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 # torch 2.13.0 is the CPU build on this machine's disk: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: test test-newest test-517 demo gpu-test clean
+.PHONY: test test-newest test-517 demo test-gpu bench clean
 
 test: test-newest test-517
 
@@ -39,9 +39,16 @@ test-517: $(VENV517)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dsv4_mtp_hf.demo
 
-# On a CUDA machine (the device): the GPU tests only.
-gpu-test:
+# On a CUDA machine, with the package importable (the device: PYTHONPATH=src): the GPU tests only.
+test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
+
+# On a CUDA machine: the FP4 MoE op, the draft step and generate end to end; each prints its table last.
+OUT ?= .
+bench:
+	$(PYTHON) benchmarks/moe_op.py --out $(OUT)
+	$(PYTHON) benchmarks/draft_step.py --out $(OUT)
+	$(PYTHON) benchmarks/e2e_generate.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) $(VENV517) build *.egg-info src/*.egg-info

@@ -209,30 +209,6 @@ def hand_written_kernels(on: bool):
 
 
 @contextlib.contextmanager
-def module_flag(module: str, name: str, value):
-    """``module.name = value`` for the duration (a switch read when kernels launch or compile)."""
-    import importlib
-
-    mod = importlib.import_module(module)
-    saved = getattr(mod, name)
-    setattr(mod, name, value)
-    try:
-        yield
-    finally:
-        setattr(mod, name, saved)
-
-
-def step_variants():
-    """(name, context) of the switches ``--quick`` times against the default step, side by side: the
-    routed MoE's token sums in a separate kernel, and the MoE halves on one stream."""
-    import functools
-
-    sum_kernel = {**__import__("dsv4_mtp_hf.ops.triton.fp4_moe_triton", fromlist=["CONFIG"]).CONFIG, "ticket_sum": False}
-    return [("MoE token sums in a separate kernel", functools.partial(module_flag, "dsv4_mtp_hf.ops.triton.fp4_moe_triton", "CONFIG", sum_kernel)),
-            ("MoE halves one after the other", functools.partial(module_flag, "dsv4_mtp_hf.ops.mtp_moe", "use_side_stream", False))]
-
-
-@contextlib.contextmanager
 def reference_experts(mtp):
     """The routed experts through ``fp4_moe_reference`` (dequantise + fp32 matmuls) instead of
     the registered op, for the duration of the block."""
@@ -408,26 +384,6 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                 if fused and bsz == 1 and k == 1 and attn == "reference":
                     results[label + ", back to back"] = time_back_to_back(replay, args.iters)
                     floors[label + ", back to back"] = floor_of(bsz, k)
-                    for name, switch in step_variants() if args.quick else ():  # one switch flipped, recaptured
-                        v_label = f"{label}, back to back, {name}"
-                        try:
-                            with switch():
-                                other = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
-                                other.capture()
-
-                                def replay_other():
-                                    paged.seq_lengths.copy_(lengths)
-                                    return other(pids[:, -1:], phs[:, -1:])
-
-                                o_d, o_l = replay_other()
-                                checks[v_label] = ("same logits and drafts as the default step: "
-                                                   f"{bool(torch.equal(o_l, got_l) and torch.equal(o_d, got_d))}")
-                                results[v_label] = time_back_to_back(replay_other, args.iters)
-                                floors[v_label] = floor_of(bsz, k)
-                                if args.profile:
-                                    profile_replay(replay_other, args.out, name="compiled_" + name.replace(" ", "_").replace("'", ""))
-                        except Exception as err:  # noqa: BLE001 - the other variants still run
-                            checks[v_label] = f"FAILED {type(err).__name__}: {err}"[:300]
                     if args.quick:
                         continue
                     results["ours: V4 block only, compiled + CUDA graph"] = time_block_graphed(mtp, paged, lengths, gen, args.iters)
@@ -536,7 +492,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true", help="print the kernels of one graphed batch-1 K=1 replay")
     p.add_argument("--quick", action="store_true",
-                   help="the compiled batch-1 K=1 step only: back to back, against its variants (step_variants)")
+                   help="the compiled batch-1 K=1 step only, back to back")
     p.add_argument("--only-compiled", action="store_true",
                    help="skip the uncompiled graphs; compiled batch 1 K=1 and batch 16 K=3 only (a quick run)")
     args = p.parse_args()

@@ -1,9 +1,6 @@
 """Tiny DeepSeek-V4 configs and models shared by the tests."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -148,16 +145,18 @@ class DecisionMargins:
         self._restore()
 
 
+DRAW_SEED = 20261203
+
+
 def draw_until_clear(attempt, tries: int = 20) -> int:
-    """Runs ``attempt(seed, margins)`` on fresh seeds: it builds a case, ``margins.watch``-es
+    """Runs ``attempt(seed, margins)`` on a fixed sequence of seeds (each printed): it builds a case, ``margins.watch``-es
     its models and asserts.  A failure is a failure when no watched choice came within
     ``DecisionMargins.EPS`` of a tie; otherwise it is explained by float32 summation order
     and the case is redrawn.  Returns the seed that passed."""
-    import random
-
     near = []
-    for _ in range(tries):
-        seed, margins = random.SystemRandom().randrange(2**31), DecisionMargins()
+    for seed in range(DRAW_SEED, DRAW_SEED + tries):  # fixed seeds: a failure replays
+        margins = DecisionMargins()
+        print(f"draw_until_clear: seed={seed}")
         try:
             attempt(seed, margins)
             return seed
@@ -168,23 +167,6 @@ def draw_until_clear(attempt, tries: int = 20) -> int:
         finally:
             margins.close()
     raise AssertionError(f"{tries} draws failed, each with a choice within {DecisionMargins.EPS} of a tie: {near}")
-
-
-def run_under_triton_interpreter(script: str, timeout: int = 600) -> None:
-    """Run ``script`` (it prints "OK ..." when its checks pass) with ``TRITON_INTERPRET=1`` in a Python
-    that has Triton -- this one, or the scratch venv /tmp/tv -- and skip when there is none."""
-    import pytest
-
-    py = sys.executable if importlib.util.find_spec("triton") is not None else "/tmp/tv/bin/python"
-    if not os.path.exists(py):
-        pytest.skip("no Python with Triton for TRITON_INTERPRET=1")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([py, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0 and "No module named 'triton'" in res.stderr:
-        pytest.skip("Triton not importable for the interpreter")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith("OK"), res.stdout
 
 
 def load_benchmark(name: str):

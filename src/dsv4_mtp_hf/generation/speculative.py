@@ -121,8 +121,7 @@ class _Batch:
         # Under "auto" the MTP keeps the reference attention here, as GraphedDrafter does: FlashInfer
         # plans on the host per call, and this ragged path has not been measured or checked with it on
         # a GPU.  An explicit "flashinfer" is honoured.
-        if mtp.config.attention_backend == "auto":
-            self.mcache.attention_backend = "reference"
+        self.attention_backend = "reference" if mtp.config.attention_backend == "auto" else None
         self.mtp_rows = [0] * len(prompts)  # rows in the MTP cache (host copy of seq_lengths)
         self.done = [False] * len(prompts)
         self.stats = [GenerationStats(k) for _ in prompts]
@@ -173,7 +172,7 @@ class _Batch:
             rows = torch.tensor(seqs)
             with self.mcache.ragged(rows=rows, num_new=torch.tensor(num_new)):
                 out = self.mtp(ids.to(self.device), res, position_ids=pos, past_key_values=self.mcache,
-                               logits_to_keep=1, draft_vocab=True)
+                               logits_to_keep=1, draft_vocab=True, attention_backend=self.attention_backend)
             for j, n in enumerate(num_new):
                 if a < counts[j] <= b:  # this chunk holds the sequence's last row
                     last[j] = out.residual[j, counts[j] - 1 - a]
@@ -209,7 +208,8 @@ class _Batch:
             for s in range(steps):
                 pos = torch.tensor([[self.mtp_rows[i] + s] for i in live], device=self.device)
                 with self.mcache.ragged(rows=rows):
-                    out = self.mtp(tok, res, position_ids=pos, past_key_values=self.mcache, draft_vocab=True)
+                    out = self.mtp(tok, res, position_ids=pos, past_key_values=self.mcache, draft_vocab=True,
+                                   attention_backend=self.attention_backend)
                 if self.sampler is None:
                     tok = out.logits[:, -1].float().argmax(-1, keepdim=True)
                 else:
