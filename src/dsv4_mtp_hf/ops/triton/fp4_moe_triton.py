@@ -16,7 +16,7 @@ on T: CUDA-graph safe, no host sync; leader program per expert, ``moe_pairs``):
 ``kernel_for`` picks the family from ``ROUTES`` (format, T); the stream and hmma down kernels sum the
 token rows themselves (``moe_pairs._ticket_sum``; ``_sum_kernel`` only while a CUDA graph is captured
 before any eager call allocated the tickets).  Beyond ``MAX_KERNEL_TOKENS`` or for sizes the kernels do
-not tile (``kernel_supports``: multiples of 512) the op runs the reference math, by design.
+not tile (``kernel_supports``: multiples of 256) the op runs the reference math, by design.
 """
 
 from __future__ import annotations
@@ -49,12 +49,18 @@ ROUTES = {
 }
 
 
-def kernel_for(fmt: str, tokens: int, swiglu_limit: float) -> str:
-    """The family ``fp4_moe`` runs for ``tokens`` rows: "stream", "hmma", "dot" or "reference"."""
-    for lo, hi, family in ROUTES[fmt]:
-        if lo <= tokens <= hi:
-            return "dot" if family == "hmma" and act_prescale(swiglu_limit) is None else family
-    return "reference" if tokens > MAX_KERNEL_TOKENS else "dot"
+def kernel_for(fmt: str, tokens: int, swiglu_limit: float, hidden: int = 4096, intermediate: int = 2048) -> str:
+    """The family ``fp4_moe`` runs for ``tokens`` rows: "stream", "hmma", "dot" or "reference".  Sizes the
+    stream or hmma kernels do not tile (small test models) take the tl.dot kernels, as does hmma without a
+    finite ``swiglu_limit`` (its fp16 activations need the bound)."""
+    if tokens > MAX_KERNEL_TOKENS:
+        return "reference"
+    family = next((fam for lo, hi, fam in ROUTES[fmt] if lo <= tokens <= hi), "dot")
+    if family == "stream" and not stream_supports(hidden, intermediate):
+        return "dot"
+    if family == "hmma" and (act_prescale(swiglu_limit) is None or not hmma_supports(hidden, intermediate, fmt)):
+        return "dot"
+    return family
 
 
 @triton.jit
@@ -226,9 +232,9 @@ def _dot_supports(hidden: int, intermediate: int) -> bool:
 
 
 def kernel_supports(hidden: int, intermediate: int) -> bool:
-    """Whether every kernel family tiles these sizes (multiples of 512 do: V4-Flash and V4-Pro)."""
-    return (_dot_supports(hidden, intermediate) and stream_supports(hidden, intermediate)
-            and all(hmma_supports(hidden, intermediate, f) for f in fp4.FORMATS))
+    """Whether the CUDA kernels run these sizes (the tl.dot kernels, the widest fallback, tile multiples of
+    256; V4-Flash and V4-Pro take every family)."""
+    return _dot_supports(hidden, intermediate)
 
 
 def _launch_dot(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global, act, y, *, k, group_size, is_nv,
@@ -272,7 +278,7 @@ def fp4_moe_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2
     out = torch.empty_like(x)
     if p == 0:
         return out.zero_()
-    family = kernel_for(f.name, t, swiglu_limit)
+    family = kernel_for(f.name, t, swiglu_limit, d, inter)
     if family == "reference":
         raise ValueError(f"fp4_moe (CUDA kernels): T={t} tokens exceeds MAX_KERNEL_TOKENS={MAX_KERNEL_TOKENS}; "
                          "the registered op runs the reference for those.")
