@@ -39,7 +39,7 @@ def test_kernel_supports(fmt):
     assert not fmt_triton.kernel_supports(128, 64)
     # sizes the stream / hmma kernels do not tile take the tl.dot kernels
     assert fmt_triton.kernel_for(fmt, 1, LIMIT, 256, 256) == "dot"
-    assert fmt_triton.kernel_for(fmt, 4, LIMIT, 256, 256) == "dot"
+    assert fmt_triton.kernel_for("mxfp4", 4, LIMIT, 256, 256) == "dot"  # nsub 4: K a multiple of 512
 
 
 @pytest.mark.parametrize("limit", [10.0, 7.0, 1.0, 1000.0])
