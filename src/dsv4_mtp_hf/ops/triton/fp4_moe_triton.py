@@ -138,6 +138,7 @@ def _gate_up_kernel(
                 ul, uh = _decode_nibbles(pu, IS_NV)
                 xv = tl.load(x_rows[:, None] + (kk * BLOCK_K + kx)[None, :], mask=r_ok[:, None], other=0.0)
                 xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, HK, 2)))
+                xe, xo = xe.to(tl.bfloat16), xo.to(tl.bfloat16)  # x may be fp32 (fp32 models); act is bf16
                 scol = kk * (HK // HG) + ks
                 sg = _block_scale(tl.load(sg_rows[:, None] + scol[None, :]), IS_NV)
                 su = _block_scale(tl.load(su_rows[:, None] + scol[None, :]), IS_NV)
