@@ -8,7 +8,9 @@ TORCH ?= torch==2.13.0
 
 .PHONY: test test-newest test-517 demo test-gpu bench clean
 
-test: test-newest test-517
+# The two suites run side by side (one torch thread each: tests/conftest.py), each one's output printed whole.
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-newest test-517
 
 # xgrammar (grammar-constrained drafting) is installed without deps: its metadata pulls a
 # ~1 GB triton wheel that the CPU path never uses.
