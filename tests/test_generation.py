@@ -281,8 +281,9 @@ def test_greedy_assisted_generation_on_cuda_is_identical_to_plain():
 @pytest.mark.tf_internals
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_paged_drafter_path_keeps_greedy_output_identical(k):
-    """The fast greedy path (first draft eager, drafts 2..K through `GraphedDrafter` on the
-    paged cache) -- here without the graph, which needs CUDA -- gives plain greedy output."""
+    """The fast greedy path (whole rounds -- the verified rows' catch-up, the first draft, drafts 2..K --
+    through `GraphedDrafter.round` on the paged cache) -- here without the graph, which needs CUDA --
+    gives plain greedy output."""
 
     class PagedDrafts(MtpCandidateGenerator):
         fast_drafts = "eager"
@@ -298,12 +299,16 @@ def test_paged_drafter_path_keeps_greedy_output_identical(k):
     OracleDrafts.truth, OracleDrafts.wrong_at = plain, {PROMPT_LEN + i for i in range(0, 120, 5)}
 
     class PagedOracle(PagedDrafts):  # partly-correct drafts also on the fast path: accept + reject
-        def _draft_all(self, input_ids, out):
-            seq, logits = super()._draft_all(input_ids, out)
-            for j in range(input_ids.shape[1], seq.shape[1]):
+        def _round_result(self, input_ids, tokens, logits):
+            PagedOracle.rounds += 1
+            tokens = tokens.clone()
+            for i in range(tokens.shape[1]):
+                j = input_ids.shape[1] + i
                 tok = int(plain[0, j]) if j < plain.shape[1] else 0
-                seq[0, j] = (tok + 1) % 320 if j in OracleDrafts.wrong_at else tok
-            return seq, logits
+                tokens[0, i] = (tok + 1) % 320 if j in OracleDrafts.wrong_at else tok
+            return super()._round_result(input_ids, tokens, logits)
+
+    PagedOracle.rounds = 0
 
     for cls in (PagedDrafts, PagedOracle):
         mtp.candidate_generator_class = cls
@@ -318,6 +323,7 @@ def test_paged_drafter_path_keeps_greedy_output_identical(k):
         if k >= 2:
             assert gen.cache is gen.drafter.cache and not gen.drafter.use_graph
     assert mtp.last_generation_stats.accepted > 0 or k == 1
+    assert PagedOracle.rounds > 10 or k == 1  # the oracle drafts went through the rounds
 
     # The paged path proposes exactly what the per-token loop on the contiguous cache proposes.
     proposals = {}
@@ -360,7 +366,9 @@ def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
     finally:
         mtp.candidate_generator_class = None
     assert torch.equal(got, plain)
-    assert made[-1].drafter is not None and made[-1].drafter.use_graph and made[-1].drafter.graph is not None
+    d = made[-1].drafter
+    assert d is not None and d.use_graph and d.round_graphs  # whole rounds replayed as graphs
+    assert set(d.round_graphs) <= set(range(1, d.max_round_rows + 1))
     assert made[-1].drafter.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
 
 

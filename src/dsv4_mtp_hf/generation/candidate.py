@@ -144,6 +144,16 @@ class MtpCandidateGenerator(CandidateGenerator):
         mtp, device = self.mtp, self.mtp.e_proj.weight.device
         # Roll the draft rows back and recompute the verified ones from the target's residual.
         self.cache.crop(self.confirmed_rows)
+        budget = min(self.num_assistant_tokens, self.max_length - length - 1)
+        d = self.drafter
+        if (d is not None and budget == self.num_assistant_tokens and new_rows <= d.max_round_rows
+                and d.attention_plans is None):
+            # The whole round -- the verified rows' catch-up, the first draft, the recursive ones -- as one
+            # graph replay per row count, then one host read.
+            tokens, logits = d.round(input_ids[:, self.confirmed_rows + 1 : length].to(device),
+                                     residual[:, :new_rows])
+            self.confirmed_rows = length - 1
+            return self._round_result(input_ids, tokens, logits)
         # Long prompts go through the cache in blocks (bounded activation memory; exact).
         for a in range(0, new_rows, self.prefill_chunk):
             b = min(a + self.prefill_chunk, new_rows)
@@ -158,7 +168,6 @@ class MtpCandidateGenerator(CandidateGenerator):
             )
         self.confirmed_rows = length - 1
 
-        budget = min(self.num_assistant_tokens, self.max_length - length - 1)
         if self.drafter is not None and budget == self.num_assistant_tokens:
             return self._draft_all(input_ids, out)
         sequence = input_ids
@@ -206,6 +215,11 @@ class MtpCandidateGenerator(CandidateGenerator):
         rest, rest_logits = self._recursive_drafts(first, out.residual[:, -1:])
         tokens = torch.cat([first, rest.to(first.device)], dim=1)
         logits = torch.cat([first_logits.unsqueeze(1), rest_logits.float().to(first_logits.device)], dim=1)
+        return self._round_result(input_ids, tokens, logits)
+
+    def _round_result(self, input_ids, tokens, logits):
+        """The round's candidates from its greedy drafts ``[1, K]``; drafts after an EOS are dropped
+        (their cache rows are rolled back next round)."""
         ids = tokens[0].tolist()  # one host read for the whole round
         keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
         self.last_drafted = keep

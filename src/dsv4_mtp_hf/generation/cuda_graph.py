@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PagedMtpKVCache
+from ..ops.argmax import argmax_last
 
 
 class GraphedDrafter:
@@ -37,6 +38,14 @@ class GraphedDrafter:
         self.residual = torch.zeros(b, 1, c.hc_mult, c.hidden_size, dtype=w.dtype, device=w.device)
         self.graph = None
         self.drafts = self.logits = None
+        self.use_graph = True  # False: the same steps and rounds eagerly (any device; tests)
+        # Whole rounds (``round``): up to ``max_round_rows`` verified rows, one graph per row count.
+        self.max_round_rows = num_drafts + 2
+        self.round_ids = torch.zeros(b, self.max_round_rows, dtype=torch.long, device=w.device)
+        self.round_residual = torch.zeros(b, self.max_round_rows, c.hc_mult, c.hidden_size, dtype=w.dtype,
+                                          device=w.device)
+        self._row_offsets = torch.arange(self.max_round_rows, device=w.device)
+        self.round_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         # FlashInfer attention only when named: under "auto" the drafted steps keep the reference attention,
         # which torch.compile fuses and captures (inside the graph FlashInfer measured no faster at these shapes,
         # BENCHMARKS.md, and its per-drafter plan handle would make torch.compile specialise per drafter).
@@ -82,14 +91,56 @@ class GraphedDrafter:
             return drafts[0].view(-1, 1), logits[0].unsqueeze(1)
         return torch.cat(drafts, dim=1), torch.stack(logits, dim=1)
 
-    def _warm_up(self, warmup: int, lengths: torch.Tensor) -> None:
+    @torch.no_grad()
+    def run_round_eager(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy round without the graph: the MTP rows of ``round_ids`` / ``round_residual[:, :rows]``
+        (the verified rows, from the target's residual) appended to the cache, the first draft from the
+        last of them, then the K steps.  Returns the drafts ``[B, 1 + K]`` and their fp32 logits."""
+        positions = self.cache.seq_lengths.clone().unsqueeze(1) + self._row_offsets[:rows]
+        logits, residual = self.mtp._rows(self.round_ids[:, :rows], self.round_residual[:, :rows], positions,
+                                          self.cache, 1, self.draft_vocab, self.attention_backend)
+        first_logits = logits[:, -1].float()
+        self.tokens.copy_(argmax_last(first_logits).unsqueeze(-1))
+        self.residual.copy_(residual[:, -1:])
+        drafts, step_logits = self.run_eager()
+        return (torch.cat([self.tokens, drafts], dim=1),
+                torch.cat([first_logits.unsqueeze(1), step_logits.float()], dim=1))
+
+    def round(self, ids: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole greedy round from ``ids [B, n]`` (the tokens t_{p+1} of the n verified rows) and
+        ``residual [B, n, hc_mult, D]`` (the target's residual at those rows), n <= ``max_round_rows``:
+        one CUDA-graph replay (captured the first time n occurs), no host synchronisation.  Returns the
+        graph's static drafts ``[B, 1 + K]`` and logits ``[B, 1 + K, V]`` (read them before the next round)."""
+        rows = ids.shape[1]
+        if not 1 <= rows <= self.max_round_rows:
+            raise ValueError(f"a round takes 1..{self.max_round_rows} verified rows, got {rows}.")
+        self.round_ids[:, :rows].copy_(ids)
+        self.round_residual[:, :rows].copy_(residual)
+        if not self.use_graph:
+            return self.run_round_eager(rows)
+        if rows not in self.round_graphs:
+            self._check_capturable()
+            with torch.cuda.device(self.mtp.e_proj.weight.device):
+                self.round_graphs[rows] = self._record_graph(lambda: self.run_round_eager(rows), warmup=2)
+        graph, out = self.round_graphs[rows]
+        graph.replay()
+        return out
+
+    def _warm_up(self, fn, warmup: int, lengths: torch.Tensor) -> None:
         for _ in range(warmup):
-            self.run_eager()
+            fn()
             self.cache.seq_lengths.copy_(lengths)
 
     def capture(self, warmup: int = 2) -> None:
         """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
         the warm-up, outside the capture).  The cache's lengths are restored afterwards."""
+        self._check_capturable()
+        # Streams and graphs belong to the current device: make it the MTP's (e.g. cuda:1).
+        with torch.cuda.device(self.mtp.e_proj.weight.device):
+            self._plan_attention()
+            self.graph, (self.drafts, self.logits) = self._record_graph(self.run_eager, warmup)
+
+    def _check_capturable(self) -> None:
         from ..ops.triton.fp4_moe_triton import kernel_supports  # needs Triton (CUDA only)
 
         c, w = self.mtp.config, self.mtp.e_proj.weight
@@ -105,18 +156,16 @@ class GraphedDrafter:
                 "which synchronises with the host and cannot be graph-captured (the Triton kernel tiles multiples "
                 "of 256)."
             )
-        # Streams and graphs belong to the current device: make it the MTP's (e.g. cuda:1).
-        with torch.cuda.device(w.device):
-            self._record(warmup)
 
-    def _record(self, warmup: int) -> None:
+    def _record_graph(self, fn, warmup: int):
+        """Warm ``fn`` up on a side stream (compilation, allocations), capture it, restore the cache's
+        lengths; returns ``(graph, fn's static outputs)``."""
         lengths = self.cache.seq_lengths.clone()
-        self._plan_attention()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             try:  # compiles (when asked) outside the capture
-                self._warm_up(warmup, lengths)
+                self._warm_up(fn, warmup, lengths)
             except Exception as err:
                 self.cache.seq_lengths.copy_(lengths)
                 if not self.compiled:
@@ -126,10 +175,11 @@ class GraphedDrafter:
                     "Pass `compile=False` to GraphedDrafter to capture the uncompiled step."
                 ) from err
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.drafts, self.logits = self.run_eager()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
         self.cache.seq_lengths.copy_(lengths)
+        return graph, out
 
     def _plan_attention(self, seq_lengths: list[int] | None = None) -> None:
         """FlashInfer: plan every step for the cache's current lengths (host-side, outside capture;
