@@ -345,6 +345,47 @@ def test_paged_drafter_path_keeps_greedy_output_identical(k):
     assert proposals[False] == proposals["eager"] and sum(map(len, proposals[False])) > 0
 
 
+def test_the_paged_drafter_is_kept_across_generate_calls():
+    """A second generate call reuses the first one's drafter (its CUDA graphs, on CUDA) from a reset cache:
+    it proposes exactly what a fresh per-token loop proposes; a new draft vocabulary gets a new drafter."""
+    proposals, made = {}, []
+
+    def recording(mode):
+        class Recording(MtpCandidateGenerator):
+            fast_drafts = mode
+
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                made.append(self)
+
+            def get_candidates(self, input_ids, **kw):
+                seq, logits = super().get_candidates(input_ids, **kw)
+                proposals.setdefault(mode, []).append(seq[0, input_ids.shape[1]:].tolist())
+                return seq, logits
+        return Recording
+
+    target, mtp = tiny_pair(seed=31)
+    kw = dict(num_assistant_tokens=3, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    try:
+        for mode, ids in (("eager", prompt(31)), ("eager", prompt(32)), (False, prompt(32))):
+            if mode is False:
+                proposals.pop(False, None)
+            else:
+                proposals.pop("eager", None)
+            mtp.candidate_generator_class = recording(mode)
+            got = target.generate(ids, assistant_model=mtp, **kw)
+            assert torch.equal(got, target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None))
+        assert made[0].drafter is made[1].drafter and made[2].drafter is None
+        assert proposals["eager"] == proposals[False] and sum(map(len, proposals[False])) > 0
+        mtp.set_draft_vocab(list(range(200)))
+        mtp.candidate_generator_class = recording("eager")
+        target.generate(prompt(31), assistant_model=mtp, **kw)
+        assert made[-1].drafter is not made[0].drafter
+    finally:
+        mtp.candidate_generator_class = None
+        mtp.set_draft_vocab(None)
+
+
 @pytest.mark.gpu
 def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
     made = []

@@ -86,13 +86,24 @@ class MtpCandidateGenerator(CandidateGenerator):
                 return None
         from .cuda_graph import GraphedDrafter
 
-        cache = self.mtp.new_cache(paged=True, batch_size=1)
-        drafter = GraphedDrafter(self.mtp, cache, num_drafts=k - 1, draft_vocab=True)
+        # One drafter per MTP, reused by later generate calls while nothing it captured changed: its graphs
+        # (captured once per round size) then cost nothing after the first call.  The key holds what the
+        # graphs read by address (weights, draft vocabulary) and what shapes them.
+        c, m = self.mtp.config, self.mtp
+        key = (k, mode, self.compile_drafts, c.attention_backend, id(getattr(m, "_draft_ids", None)),
+               *(t.data_ptr() for t in (m.e_proj.weight, m.get_input_embeddings().weight,
+                                        m.get_output_embeddings().weight)))
+        kept = m.__dict__.get("_kept_drafter")
+        if kept is not None and kept[0] == key:
+            kept[1].cache.reset()
+            return kept[1]
+        cache = m.new_cache(paged=True, batch_size=1)
+        drafter = GraphedDrafter(m, cache, num_drafts=k - 1, draft_vocab=True)
         drafter.use_graph = mode == "auto"
-        # Not with FlashInfer plans: torch.compile specialises on their per-drafter handle, so every
-        # generate call (a new drafter) would recompile the step.
+        # Not with FlashInfer plans: torch.compile specialises on their per-drafter handle.
         if drafter.use_graph and self.compile_drafts and getattr(drafter, "attention_plans", None) is None:
             drafter.compile_step()
+        m.__dict__["_kept_drafter"] = (key, drafter)
         return drafter
 
     def _recursive_drafts(self, token: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
