@@ -294,7 +294,13 @@ def main():
     p.add_argument("--batch-k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--report", metavar="JSON", help="print the tables and projection of a saved run, measure nothing")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        report(saved["rows"], saved["checks"], args.project)
+        return
     args.ks = [int(x) for x in args.ks.split(",") if x]
     args.profiles = [x for x in args.profiles.split(",") if x]
     args.batches = [int(x) for x in args.batches.split(",") if x]
@@ -316,6 +322,39 @@ def main():
     if args.out:
         with open(os.path.join(args.out, "e2e_generate.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1, default=str)
+    report(rows, checks, args.project)
+
+
+def project(rows, layers: int) -> list[str]:
+    """Per case, the speedup at ``layers`` target layers from the two measured layer counts: the target's
+    verify forward and the plain step linear in the layer count, the MTP's work and the glue as measured
+    at the larger count (they do not depend on the target's depth).  A projection, not a measurement."""
+    counts = sorted({int(r["label"].split()[0]) for r in rows if "b" not in r})
+    if len(counts) < 2:
+        return []
+    l1, l2 = counts[0], counts[-1]
+
+    def row(n, case, k):
+        return next(r for r in rows if "b" not in r and r["label"] == f"{n} layers" and (r["case"], r["k"]) == (case, k))
+
+    def at(v1, v2):
+        return v1 + (v2 - v1) * (layers - l1) / (l2 - l1)
+
+    step = at(row(l1, "plain", 0)["round_ms"], row(l2, "plain", 0)["round_ms"])
+    out = [f"projection to {layers} layers (verify and plain step linear in the layer count from {l1} and {l2}, "
+           f"MTP work and glue as at {l2}; not measured): plain step {step:.1f} ms"]
+    for case, k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}):
+        c1, c2 = row(l1, case, k), row(l2, case, k)
+        if c2["target_ms"] is None:
+            continue
+        rnd = at(c1["target_ms"], c2["target_ms"]) + c2["mtp_ms"] + c2["glue_ms"]
+        out.append(f"  {case:<9} K={k}: round {rnd:.1f} ms, {c2['tok_round']:.2f} tokens per round, "
+                   f"speedup {c2['tok_round'] * step / rnd:.2f}x")
+    return out
+
+
+def report(rows, checks, layers: int) -> None:
+    """The checks, the tables and the projection (also from a saved run: ``--report e2e_generate.json``)."""
     failed = [name for name, ok in checks.items() if not ok]
     for name, ok in checks.items():
         print(f"check: {name}: {ok}")
@@ -335,19 +374,10 @@ def main():
         for r in batched:
             print(f"{r['label']:<10} {r['case']:<17} {r['b']:>3} {r['k']:>2} {r['tok_s']:>8.1f} {r['ragged_tok_s']:>12.1f} "
                   f"{r['padded_tok_s']:>12.1f} {r['vs_ragged']:>8.2f}x {r['vs_padded']:>8.2f}x {r['tok_round']:>7.2f}")
-    layer_counts = sorted({r["label"] for r in rows}, key=lambda s: int(s.split()[0]))
-    if len(layer_counts) >= 2:
-        (l1, l2) = (int(layer_counts[0].split()[0]), int(layer_counts[-1].split()[0]))
-        print(f"\nprojection to {args.project} layers (linear in the layer count from {l1} and {l2}; not measured):")
-        for case_k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}):
-            def per(label, key):
-                return next(r for r in rows if r["label"] == label and (r["case"], r["k"]) == key and "b" not in r)
-            plain1, plain2 = per(layer_counts[0], ("plain", 0)), per(layer_counts[-1], ("plain", 0))
-            c1, c2 = per(layer_counts[0], case_k), per(layer_counts[-1], case_k)
-            step = plain1["round_ms"] + (plain2["round_ms"] - plain1["round_ms"]) * (args.project - l1) / (l2 - l1)
-            rnd = c1["round_ms"] + (c2["round_ms"] - c1["round_ms"]) * (args.project - l1) / (l2 - l1)
-            print(f"  {case_k[0]:<9} K={case_k[1]}: plain step {step:.1f} ms, round {rnd:.1f} ms, "
-                  f"speedup {c2['tok_round'] * step / rnd:.2f}x")
+    lines = project(rows, layers)
+    if lines:
+        print()
+        print("\n".join(lines))
     if failed:
         print(f"FAILED checks: {failed}")
         sys.exit(1)
