@@ -245,7 +245,7 @@ def _launch_dot(x, ids, rw, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
     inter = act.shape[1]
     if not _dot_supports(d, inter):
         raise ValueError(f"fp4_moe (tl.dot kernels): D={d} / I={inter} are not multiples of the blocks "
-                         f"{DOT_CONFIG}; use sizes that are multiples of 512 (or the reference).")
+                         f"{DOT_CONFIG}; use sizes that are multiples of 256 (or the reference).")
     bm = _block_m(p, w13.shape[0])
     regime = ("small" if p <= DOT_CONFIG["small_max_pairs"]
               else "tall" if bm >= DOT_CONFIG["tall_min_block_m"] else "large")
