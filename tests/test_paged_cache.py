@@ -138,6 +138,68 @@ def test_graphed_drafter_replay_equals_eager_on_cuda():
         assert torch.equal(got_d, want_d)
 
 
+def _round_case(device, sizes=None):
+    """A paged cache holding 9 rows, and a round's inputs: 3 verified rows (ids, residual)."""
+    target, mtp = tiny_pair(max_draft_tokens=4, target_overrides=sizes)
+    target, mtp = target.to(device), mtp.to(device)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    print(f"seed={SEED + 1}")
+    ids, hs = step_inputs(mtp, 1, 12, gen)
+    ids, hs = ids.to(device), hs.to(device)
+    paged = mtp.new_cache(paged=True, batch_size=1)
+    with torch.no_grad():
+        mtp(ids[:, :9], hs[:, :9], past_key_values=paged)
+    return mtp, paged, ids[:, 9:], hs[:, 9:]
+
+
+def test_round_is_the_catch_up_forward_then_the_draft_steps():
+    """`GraphedDrafter.round` (eager here) = the plain forward over the verified rows, its greedy draft, then
+    the chained draft steps, on the same cache."""
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    mtp, paged, ids, hs = _round_case("cpu")
+    lengths = paged.seq_lengths.clone()
+    drafter = GraphedDrafter(mtp, paged, num_drafts=2)
+    drafter.use_graph = False
+    with torch.no_grad():
+        got_d, got_l = drafter.round(ids, hs)
+        got_len = paged.seq_lengths.clone()
+        paged.seq_lengths.copy_(lengths)
+        out = mtp(ids, hs, past_key_values=paged, logits_to_keep=1)
+        tok, res, want_d, want_l = out.logits[:, -1].argmax(-1, keepdim=True), out.residual[:, -1:], [], []
+        want_d.append(tok)
+        want_l.append(out.logits[:, -1].float())
+        for _ in range(2):
+            tok, logits, res = mtp.draft_step(tok, res, paged)
+            want_d.append(tok)
+            want_l.append(logits.float())
+    assert torch.equal(got_d, torch.cat(want_d, dim=1))
+    torch.testing.assert_close(got_l, torch.stack(want_l, dim=1))
+    assert torch.equal(got_len, paged.seq_lengths) and int(got_len) == 9 + 3 + 2
+    with pytest.raises(ValueError, match="verified rows"):
+        drafter.round(ids[:, :0], hs[:, :0])
+
+
+@pytest.mark.gpu
+def test_round_graphs_replay_their_eager_rounds_on_cuda():
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
+    lengths = paged.seq_lengths.clone()
+    drafter = GraphedDrafter(mtp, paged, num_drafts=2)
+    for rows in (3, 1, 3):  # a graph per row count, the first one replayed again
+        paged.seq_lengths.copy_(lengths)
+        drafter.round_ids[:, :rows].copy_(ids[:, :rows])
+        drafter.round_residual[:, :rows].copy_(hs[:, :rows])
+        want_d, want_l = drafter.run_round_eager(rows)
+        want_d, want_l, want_len = want_d.clone(), want_l.clone(), paged.seq_lengths.clone()
+        paged.seq_lengths.copy_(lengths)
+        got_d, got_l = drafter.round(ids[:, :rows], hs[:, :rows])
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_d, want_d) and torch.equal(paged.seq_lengths, want_len)
+    assert sorted(drafter.round_graphs) == [1, 3]
+
+
 # -- dsv4_mtp::paged_kv_update: the ring read + write as one op --------------------------------------
 
 
