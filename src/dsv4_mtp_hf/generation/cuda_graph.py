@@ -118,6 +118,10 @@ class GraphedDrafter:
         self.round_residual[:, :rows].copy_(residual)
         if not self.use_graph:
             return self.run_round_eager(rows)
+        if self.attention_plans is not None:
+            raise ValueError("round graphs run the reference window attention: the catch-up's FlashInfer plan is "
+                             "made on the host per call. Use config.attention_backend 'auto' or 'reference', or "
+                             "set `use_graph = False`.")
         if rows not in self.round_graphs:
             self._check_capturable()
             with torch.cuda.device(self.mtp.e_proj.weight.device):
