@@ -110,13 +110,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         """Drafts 2..K from the first draft and its residual, through the (graphed) drafter."""
         d = self.drafter
         if d.use_graph and d.graph is None:
-            try:
-                d.capture()
-            except Exception as err:  # noqa: BLE001 - stay correct: fall back to eager steps
-                import warnings
-
-                warnings.warn(f"MTP draft CUDA graph unavailable ({type(err).__name__}: {err}); drafting eagerly.")
-                d.use_graph = False
+            d.capture()  # a failure raises (GraphedDrafter names the fix); no silent eager fallback
         if d.use_graph:
             drafts, logits = d(token, residual)
             return drafts.clone(), logits.clone()

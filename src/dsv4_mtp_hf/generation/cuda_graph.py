@@ -1,4 +1,4 @@
-"""K chained greedy MTP draft steps captured once in a CUDA graph and replayed.
+"""K chained greedy MTP draft steps, and whole greedy rounds, captured in CUDA graphs and replayed.
 
 A draft step at batch 1 is hundreds of small kernels: eagerly it is bound by launch and
 Python overhead, not by the bytes it reads.  :class:`GraphedDrafter`
@@ -8,7 +8,9 @@ its own residual to the next, and replays them with one launch.  Inputs go throu
 static buffers.  With the FlashInfer attention the drafter owns one planned wrapper per step
 over fixed metadata buffers (``attention_plans``, passed to each step's attention call); the
 host re-plans them (from the cache's lengths) before capturing and before every replay, so each
-step sees its own key count while the context is shorter than the window.
+step sees its own key count while the context is shorter than the window.  :meth:`GraphedDrafter.round`
+records a whole round instead -- the verified rows' catch-up from the target's residual, the first
+draft, then the K steps -- one graph per number of verified rows (reference attention only).
 
 ``compile=True`` first compiles the step (:meth:`DeepseekV4MtpForCausalLM.draft_step`) with
 ``torch.compile(fullgraph=True)``: Inductor fuses the ~200 small kernels of a step (norms,
@@ -130,11 +132,6 @@ class GraphedDrafter:
         graph.replay()
         return out
 
-    def _warm_up(self, fn, warmup: int, lengths: torch.Tensor) -> None:
-        for _ in range(warmup):
-            fn()
-            self.cache.seq_lengths.copy_(lengths)
-
     def capture(self, warmup: int = 2) -> None:
         """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
         the warm-up, outside the capture).  The cache's lengths are restored afterwards."""
@@ -169,7 +166,9 @@ class GraphedDrafter:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             try:  # compiles (when asked) outside the capture
-                self._warm_up(fn, warmup, lengths)
+                for _ in range(warmup):
+                    fn()
+                    self.cache.seq_lengths.copy_(lengths)
             except Exception as err:
                 self.cache.seq_lengths.copy_(lengths)
                 if not self.compiled:
