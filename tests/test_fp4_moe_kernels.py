@@ -16,17 +16,18 @@ triton = pytest.importorskip("triton")
 fmt_triton = pytest.importorskip("dsv4_mtp_hf.ops.triton.fp4_moe_triton")
 hmma = pytest.importorskip("dsv4_mtp_hf.ops.triton.fp4_moe_hmma")
 
-TOKENS = (1, 2, 3, 5, 16, 17, 64)
+TOKENS = (1, 2, 3, 5, 16, 17, 64, 150)  # 150: a prefill, in blocks of 64 + 64 + 22 rows
 FAMILY = {  # the regime each T of TOKENS falls in (fp4_moe_triton.ROUTES)
-    "nvfp4": ("stream", "stream", "hmma", "hmma", "hmma", "dot", "dot"),
-    "mxfp4": ("stream", "hmma", "hmma", "hmma", "hmma", "hmma", "hmma"),
+    "nvfp4": ("stream", "stream", "hmma", "hmma", "hmma", "dot", "dot", "dot"),
+    "mxfp4": ("stream", "hmma", "hmma", "hmma", "hmma", "hmma", "hmma", "hmma"),
 }
 
 
 # ----------------------------------------------------------------------------- CPU
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_dispatch_edges(fmt):
-    assert fmt_triton.kernel_for(fmt, fmt_triton.MAX_KERNEL_TOKENS + 1, LIMIT) == "reference"
+    # a prefill runs in blocks of MAX_KERNEL_TOKENS rows: the family of a full block
+    assert fmt_triton.kernel_for(fmt, 1000, LIMIT) == fmt_triton.kernel_for(fmt, fmt_triton.MAX_KERNEL_TOKENS, LIMIT)
     # hmma needs a finite limit (a static fp16 activation prescale): the tl.dot kernels take its T
     assert fmt_triton.kernel_for(fmt, 5, math.inf) == "dot"
     assert fmt_triton.kernel_for(fmt, 1, math.inf) == "stream"
