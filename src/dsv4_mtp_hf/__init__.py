@@ -6,9 +6,11 @@ from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
 from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
+from .target_experts import pack_fp4_experts
 
 AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)
 AutoModelForCausalLM.register(DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, exist_ok=True)
 
-__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair"]
+__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
+           "pack_fp4_experts"]
 __version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""Packed FP4 routed experts for transformers' DeepSeek-V4 target, through its experts registry (issue 31).
+
+transformers' ``DeepseekV4Experts`` holds every routed expert in bf16 (``gate_up_proj [E, 2I, D]``,
+``down_proj [E, D, I]``: four times the FP4 release) and dispatches its forward through the experts
+registry (``@use_experts_implementation``: ``ALL_EXPERTS_FUNCTIONS``, picked by
+``config._experts_implementation``).  We register ``"dsv4_fp4"`` there.  :func:`pack_fp4_experts` gives
+each experts module an :class:`~dsv4_mtp_hf.layers.moe.FP4Experts` (the release's packed bytes, exactly),
+frees the bf16 tensors and switches the model to ``"dsv4_fp4"``: the routed experts then run through
+``dsv4_mtp::fp4_moe`` (the Triton kernels on CUDA, the reference math elsewhere).  Routers, shared
+experts, attention and everything else stay transformers' own modules.
+
+    target = AutoModelForCausalLM.from_pretrained("deepseek-ai/DeepSeek-V4-Flash", ...)
+    pack_fp4_experts(target, "deepseek-ai/DeepSeek-V4-Flash")
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from . import fp4
+from .layers.moe import FP4Experts
+
+EXPERTS_IMPLEMENTATION = "dsv4_fp4"
+QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
+
+
+def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``DeepseekV4Experts.forward`` on packed FP4 weights (``self.fp4``): same inputs, same math."""
+    packed = getattr(self, "fp4", None)
+    if packed is None:
+        raise RuntimeError(
+            f"experts_implementation={EXPERTS_IMPLEMENTATION!r} runs packed FP4 experts, but this experts module holds "
+            "none: call `dsv4_mtp_hf.pack_fp4_experts(model, release)` instead of setting the implementation by hand."
+        )
+    return packed(hidden_states, top_k_weights, top_k_index)
+
+
+ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, fp4_experts_forward)
+
+
+def _experts_modules(model) -> list[tuple[int, torch.nn.Module]]:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    config = getattr(model, "config", None)
+    if layers is None or getattr(config, "model_type", None) != "deepseek_v4":
+        raise TypeError(
+            f"pack_fp4_experts expects transformers' DeepSeek-V4 model (DeepseekV4ForCausalLM / DeepseekV4Model), "
+            f"got {type(model).__name__}."
+        )
+    out = []
+    for i, layer in enumerate(layers):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None or not hasattr(experts, "gate_up_proj") and not hasattr(experts, "fp4"):
+            raise TypeError(f"layer {i} of {type(model).__name__} has no routed experts module (`mlp.experts`).")
+        out.append((i, experts))
+    return out
+
+
+def _packed_module(config, fmt: str, device) -> FP4Experts:
+    spec = SimpleNamespace(expert_format=fmt, swiglu_limit=config.swiglu_limit, n_routed_experts=config.n_routed_experts,
+                           hidden_size=config.hidden_size, moe_intermediate_size=config.moe_intermediate_size)
+    with torch.device("meta"):
+        packed = FP4Experts(spec)
+    return packed.to_empty(device=device)
+
+
+@torch.no_grad()
+def _quantize_into(packed: FP4Experts, experts) -> None:
+    """From the module's own (dense) weights: exact when they hold FP4 values of ``packed.format``
+    (a release dequantised by transformers), a re-quantisation otherwise."""
+    i, fmt = packed.intermediate_size, packed.format
+    for a in range(0, packed.num_experts, QUANTIZE_CHUNK):
+        b = min(a + QUANTIZE_CHUNK, packed.num_experts)
+        gate_up, down = experts.gate_up_proj[a:b], experts.down_proj[a:b]
+        p1, s1, g1 = fp4.quantize_fp4(gate_up[:, :i], fmt)
+        p3, s3, g3 = fp4.quantize_fp4(gate_up[:, i:], fmt)
+        p2, s2, g2 = fp4.quantize_fp4(down, fmt)
+        packed.w13_weight[a:b] = torch.cat([p1, p3], dim=1)
+        packed.w13_scale[a:b] = torch.cat([s1, s3], dim=1)
+        packed.w13_global_bits[a:b] = torch.stack([g1, g3], dim=-1).view(torch.int32).to(packed.w13_global_bits.device)
+        packed.w2_weight[a:b] = p2
+        packed.w2_scale[a:b] = s2
+        packed.w2_global_bits[a:b] = g2.view(torch.int32).to(packed.w2_global_bits.device)
+
+
+@torch.no_grad()
+def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, **hub_kwargs):
+    """Keep ``model``'s routed experts packed in FP4 and run them through ``dsv4_mtp::fp4_moe``.
+
+    ``release``: the DeepSeek-V4 release (local folder or Hub id) the model was loaded from; its packed
+    experts are read as they are stored (native MXFP4, or NVFP4), bit for bit.  Without it the model's
+    own expert weights are quantised to ``expert_format`` (default ``"mxfp4"``: exact for a model whose
+    experts transformers dequantised from the MXFP4 release).  Each layer's bf16 expert tensors are freed
+    once its packed copy is in place.  Returns ``model``.
+    """
+    layers = _experts_modules(model)
+    c = model.config
+    if any(hasattr(ex, "fp4") for _, ex in layers):
+        raise ValueError("this model's experts are already packed (pack_fp4_experts was called on it).")
+    if expert_format is not None:
+        fp4.get_format(expert_format)
+    reader = None
+    if release is not None:
+        from .loading.target_experts import ReleaseExperts
+
+        reader = ReleaseExperts(release, len(layers), c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
+                                expert_format, hub_kwargs)
+        fmt = reader.format
+    else:
+        if hub_kwargs:
+            raise TypeError(f"hub keywords {sorted(hub_kwargs)} need a `release` to read from.")
+        fmt = expert_format or "mxfp4"
+    for i, experts in layers:
+        packed = _packed_module(c, fmt, experts.gate_up_proj.device)
+        if reader is not None:
+            reader.fill(i, packed)
+        else:
+            _quantize_into(packed, experts)
+        experts.fp4 = packed
+        del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return model
+
+
+def expert_bytes(model) -> int:
+    """Bytes held by the routed experts of ``model`` (packed or bf16)."""
+    total = 0
+    for _, experts in _experts_modules(model):
+        tensors = experts.fp4.buffers() if hasattr(experts, "fp4") else (experts.gate_up_proj, experts.down_proj)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

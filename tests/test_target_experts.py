@@ -1,0 +1,200 @@
+"""Packed FP4 routed experts for transformers' V4 target (`pack_fp4_experts`, issue 31).
+
+The oracle is transformers' own target with its experts holding exactly the values the packed
+bytes encode (what its loader produces from a release).  Releases are written in the native
+layouts with the native tensor names."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV4ForCausalLM
+
+from dsv4_mtp_hf import fp4, pack_fp4_experts
+from dsv4_mtp_hf.loading import MtpCheckpointError
+from dsv4_mtp_hf.target_experts import expert_bytes
+
+from .helpers import randomize_, tiny_pair, tiny_target_config
+
+SEED = 31
+E8M0 = torch.float8_e8m0fnu
+
+
+def packed_experts(config, fmt: str, seed: int):
+    """Random packed experts per layer: {layer: (w13, w13_scale, g13 [E, 2], w2, w2_scale, g2 [E])}."""
+    g = torch.Generator().manual_seed(seed)
+    e, d, i, grp = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, fp4.get_format(fmt).group_size
+    lo, hi = (118, 124) if fmt == "mxfp4" else (40, 56)  # E8M0 ~2^-7..2^-4 / E4M3 ~0.02..0.1
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        def scales(*shape):
+            return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8)
+
+        glob = (lambda *s: torch.rand(*s, generator=g) + 0.5) if fmt == "nvfp4" else (lambda *s: torch.ones(*s))
+        out[layer] = (torch.randint(0, 256, (e, 2 * i, d // 2), generator=g, dtype=torch.uint8), scales(e, 2 * i, d // grp),
+                      glob(e, 2), torch.randint(0, 256, (e, d, i // 2), generator=g, dtype=torch.uint8),
+                      scales(e, d, i // grp), glob(e))
+    return out
+
+
+@torch.no_grad()
+def set_dense(target, experts: dict, fmt: str) -> None:
+    """transformers' experts = the values the packed bytes encode."""
+    i = target.config.moe_intermediate_size
+    for layer, (w13, s13, g13, w2, s2, g2) in experts.items():
+        ex = target.model.layers[layer].mlp.experts
+        dense13 = fp4.dequantize_fp4(w13, s13, fmt)
+        dense13[:, :i] *= g13[:, 0, None, None]
+        dense13[:, i:] *= g13[:, 1, None, None]
+        ex.gate_up_proj.copy_(dense13)
+        ex.down_proj.copy_(fp4.dequantize_fp4(w2, s2, fmt, g2))
+
+
+def write_release(path, config, experts: dict, layout: str, skip=None, config_extra=None):
+    tensors = {"embed.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    i = config.moe_intermediate_size
+    for layer, (w13, s13, g13, w2, s2, g2) in experts.items():
+        for e in range(w13.shape[0]):
+            for m, p, s, gl in (("w1", w13[e, :i], s13[e, :i], g13[e, 0]), ("w3", w13[e, i:], s13[e, i:], g13[e, 1]),
+                                ("w2", w2[e], s2[e], g2[e])):
+                pre = f"layers.{layer}.ffn.experts.{e}.{m}"
+                if layout == "native_mxfp4":
+                    tensors[pre + ".weight"], tensors[pre + ".scale"] = p.view(torch.int8), s.view(E8M0)
+                elif layout == "modelopt_nvfp4":
+                    tensors[pre + ".weight"], tensors[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
+                    tensors[pre + ".weight_scale_2"] = gl.clone()
+                    tensors[pre + ".input_scale"] = torch.tensor(0.5)
+                else:  # compressed-tensors: the reciprocal global
+                    tensors[pre + ".weight_packed"], tensors[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
+                    tensors[pre + ".weight_global_scale"] = (1.0 / gl).reshape(1)
+    if skip:
+        tensors.pop(skip)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**config.to_dict(), **(config_extra or {})}))
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for k, v in tensors.items():  # layer 0 in the first shard, the rest in the second
+        shards["model-00001-of-00002.safetensors" if ".0.ffn" in k or k == "embed.weight"
+               else "model-00002-of-00002.safetensors"][k] = v.contiguous()
+    weight_map = {}
+    for name, part in shards.items():
+        save_file(part, str(path / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+def logits(target, seed: int = SEED):
+    ids = torch.randint(3, target.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return target(ids.to(target.device)).logits
+
+
+FORMAT = {"native_mxfp4": "mxfp4", "modelopt_nvfp4": "nvfp4", "compressed_tensors_nvfp4": "nvfp4"}
+
+
+@pytest.mark.parametrize("layout", sorted(FORMAT))
+def test_release_experts_load_bit_exact_and_match_transformers_dense_target(tmp_path, layout):
+    print(f"seed={SEED}")
+    target, _ = tiny_pair(seed=SEED)
+    experts = packed_experts(target.config, FORMAT[layout], SEED)
+    set_dense(target, experts, FORMAT[layout])
+    want = logits(target)
+    bf16_bytes = sum(t.numel() * 2 for layer in target.model.layers
+                     for t in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj))
+    pack_fp4_experts(target, write_release(tmp_path / layout, target.config, experts, layout))
+    assert target.config._experts_implementation == "dsv4_fp4"
+    for layer, (w13, s13, g13, w2, s2, g2) in experts.items():
+        ex = target.model.layers[layer].mlp.experts
+        assert not hasattr(ex, "gate_up_proj") and not hasattr(ex, "down_proj")  # the dense copies are gone
+        p = ex.fp4
+        assert p.format.name == FORMAT[layout]
+        for got, ref in ((p.w13_weight, w13), (p.w13_scale, s13), (p.w2_weight, w2), (p.w2_scale, s2)):
+            assert torch.equal(got, ref)
+        torch.testing.assert_close(p.w13_global, g13, rtol=1e-6, atol=0)  # compressed-tensors: 1 / (1 / g)
+        torch.testing.assert_close(p.w2_global, g2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(logits(target), want, rtol=1e-4, atol=1e-4)
+    assert expert_bytes(target) <= 0.3 * bf16_bytes  # packed vs the bf16 experts transformers would hold
+
+
+def test_packing_in_memory_mxfp4_experts_is_exact_and_assisted_generate_stays_equal():
+    print(f"seed={SEED}")
+    target, mtp = tiny_pair(seed=SEED + 1)
+    set_dense(target, packed_experts(target.config, "mxfp4", SEED + 1), "mxfp4")
+    want = logits(target)
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    plain_dense = target.generate(ids, max_new_tokens=16, do_sample=False)
+    pack_fp4_experts(target)  # re-quantises the dense values: MXFP4 values come back exactly
+    torch.testing.assert_close(logits(target), want, rtol=1e-4, atol=1e-4)
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=mtp, num_assistant_tokens=3)
+    assert torch.equal(plain, plain_dense)
+    assert torch.equal(assisted, plain)
+    assert mtp.last_generation_stats.rounds > 0
+
+
+def test_in_memory_nvfp4_quantisation_is_a_real_close_requantisation():
+    print(f"seed={SEED}")
+    target, _ = tiny_pair(seed=SEED + 2)
+    dense = [(layer.mlp.experts.gate_up_proj.detach().clone(), layer.mlp.experts.down_proj.detach().clone())
+             for layer in target.model.layers]
+    pack_fp4_experts(target, expert_format="nvfp4")
+    for layer, (gate_up, down) in zip(target.model.layers, dense):
+        p = layer.mlp.experts.fp4
+        assert p.format.name == "nvfp4"
+        for e in range(p.num_experts):
+            w13, w2 = p.dequantized(e)
+            for got, want in ((w13, gate_up[e]), (w2, down[e])):
+                rel = float((got - want).norm() / want.norm())
+                assert 0 < rel < 0.15, rel  # 4-bit rounding of random weights: lossy, never a no-op
+
+
+def test_bad_input_names_the_problem(tmp_path):
+    target, _ = tiny_pair(seed=SEED)
+    experts = packed_experts(target.config, "mxfp4", SEED)
+    with pytest.raises(TypeError, match="DeepSeek-V4"):
+        pack_fp4_experts(torch.nn.Linear(2, 2))
+    with pytest.raises(MtpCheckpointError, match=r"layers\.1\.ffn\.experts\.3\.w2\.scale"):
+        pack_fp4_experts(target, write_release(tmp_path / "a", target.config, experts, "native_mxfp4",
+                                               skip="layers.1.ffn.experts.3.w2.scale"))
+    with pytest.raises(MtpCheckpointError, match="n_routed_experts: release 16, target 8"):
+        pack_fp4_experts(target, write_release(tmp_path / "b", target.config, experts, "native_mxfp4",
+                                               config_extra={"n_routed_experts": 16}))
+    with pytest.raises(MtpCheckpointError, match="lossy re-quantisation"):
+        pack_fp4_experts(target, write_release(tmp_path / "c", target.config, experts, "native_mxfp4"),
+                         expert_format="nvfp4")
+    with pytest.raises(MtpCheckpointError, match="no routed experts"):
+        pack_fp4_experts(target, write_release(tmp_path / "d", target.config, {}, "native_mxfp4"))
+    assert target.config._experts_implementation != "dsv4_fp4"  # nothing was changed by the failures
+    pack_fp4_experts(target)
+    with pytest.raises(ValueError, match="already packed"):
+        pack_fp4_experts(target)
+
+
+def test_the_registered_implementation_without_packing_says_what_to_call():
+    torch.manual_seed(SEED)
+    target = DeepseekV4ForCausalLM(tiny_target_config()).eval()
+    randomize_(target, torch.Generator().manual_seed(SEED))
+    target.set_experts_implementation("dsv4_fp4")
+    with pytest.raises(RuntimeError, match="pack_fp4_experts"):
+        logits(target)
+
+
+@pytest.mark.gpu
+def test_packed_target_on_cuda_matches_the_bf16_target_and_stays_exact_with_the_mtp():
+    """Sizes the Triton FP4 MoE tiles (multiples of 256): the CUDA kernels, not the reference."""
+    print(f"seed={SEED}")
+    target, mtp = tiny_pair(seed=SEED, target_overrides=dict(hidden_size=256, moe_intermediate_size=256,
+                                                             n_routed_experts=16, num_experts_per_tok=4))
+    set_dense(target, packed_experts(target.config, "mxfp4", SEED), "mxfp4")
+    target, mtp = target.to("cuda", torch.bfloat16), mtp.to("cuda")
+    mtp.bind(target)
+    want = logits(target).float()
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED)).cuda()
+    pack_fp4_experts(target)
+    got = logits(target).float()
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 2e-2, rel  # bf16 noise: both sides round activations to bf16 in different places
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=mtp, num_assistant_tokens=3)
+    assert torch.equal(assisted, plain)
