@@ -81,6 +81,7 @@ def round_experts_to_mxfp4(target) -> None:
                 w[a:a + 16] = fp4.dequantize_fp4(p, s, "mxfp4", g, dtype=w.dtype)
 
 
+@torch.no_grad()
 def measure(target, prompt, args, label: str) -> dict:
     n = args.new_tokens
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -88,12 +89,13 @@ def measure(target, prompt, args, label: str) -> dict:
     t_1 = wall(lambda: target.generate(prompt, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}), args.repeats)
     tokens = target.generate(prompt, **kw)[0, prompt.shape[1]:].tolist()
     layer = target.model.layers[-1]
-    h = torch.randn(1, 1, target.config.hidden_size, generator=torch.Generator().manual_seed(SEED))
+    h = torch.randn(1, 16, target.config.hidden_size, generator=torch.Generator().manual_seed(SEED))
     h = h.to(device=prompt.device, dtype=torch.bfloat16)
-    moe_ms = gpu_ms(lambda: layer.mlp(h), args.iters)
+    moe_ms = gpu_ms(lambda: layer.mlp(h[:, :1]), args.iters)
+    moe_out = torch.cat([layer.mlp(h[:, :1]), layer.mlp(h[:, :4]), layer.mlp(h)], dim=1).float()  # T = 1, 4, 16
     logits = target(prompt).logits[0, -8:].float()
     return dict(label=label, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_ms, expert_gb=expert_bytes(target) / 1e9,
-                tokens=tokens, logits=logits)
+                tokens=tokens, logits=logits, moe_out=moe_out)
 
 
 def main():
@@ -118,11 +120,16 @@ def main():
         bf16 = measure(target, prompt, args, f"transformers bf16 experts ({target.config._experts_implementation})")
         pack_fp4_experts(target)
         ours = measure(target, prompt, args, "packed FP4 experts (dsv4_fp4)")
+        # Same input, same router: the MoE block's output isolates the experts (bf16 noise only).  Through a
+        # whole random-weight model a router choice near a tie can flip and move the logits further; those
+        # are reported, not checked.
+        moe_rel = float((ours["moe_out"] - bf16["moe_out"]).norm() / bf16["moe_out"].norm())
+        checks[f"{layers} layers: MoE block (T=1, 4, 16) rel. error {moe_rel:.2e} < 1e-2"] = moe_rel < 1e-2
         rel = float((ours["logits"] - bf16["logits"]).norm() / bf16["logits"].norm())
-        checks[f"{layers} layers: greedy tokens equal"] = ours["tokens"] == bf16["tokens"]
-        checks[f"{layers} layers: logits rel. error {rel:.2e} < 2e-2"] = rel < 2e-2
+        same = sum(a == b for a, b in zip(ours["tokens"], bf16["tokens"]))
+        print(f"{layers} layers: logits rel. difference {rel:.2e}, greedy tokens equal {same}/{len(bf16['tokens'])}")
         for r in (bf16, ours):
-            rows.append(dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits")}))
+            rows.append(dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits", "moe_out")}))
             print(rows[-1], flush=True)
         del target
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -151,6 +158,8 @@ def report(rows, checks, project: int) -> None:
             print(f"  per-layer speedup: {eager / fast:.2f}x")
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'}: {k}")
+    if not all(checks.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
