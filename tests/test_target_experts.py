@@ -165,6 +165,11 @@ def test_bad_input_names_the_problem(tmp_path):
                          expert_format="nvfp4")
     with pytest.raises(MtpCheckpointError, match="no routed experts"):
         pack_fp4_experts(target, write_release(tmp_path / "d", target.config, {}, "native_mxfp4"))
+    offloaded = tiny_pair(seed=SEED)[0]
+    ex = offloaded.model.layers[2].mlp.experts
+    ex.gate_up_proj = torch.nn.Parameter(torch.empty(ex.gate_up_proj.shape, device="meta"))  # what disk offload leaves
+    with pytest.raises(ValueError, match=r"layers \[2\] are offloaded"):
+        pack_fp4_experts(offloaded)
     assert target.config._experts_implementation != "dsv4_fp4"  # nothing was changed by the failures
     pack_fp4_experts(target)
     with pytest.raises(ValueError, match="already packed"):

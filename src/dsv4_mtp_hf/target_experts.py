@@ -114,6 +114,10 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         if hub_kwargs:
             raise TypeError(f"hub keywords {sorted(hub_kwargs)} need a `release` to read from.")
         fmt = expert_format or "mxfp4"
+    offloaded = [i for i, ex in layers if ex.gate_up_proj.device.type == "meta"]
+    if offloaded:
+        raise ValueError(f"the experts of layers {offloaded} are offloaded (on the meta device): load the model with "
+                         "its layers on GPUs or the CPU (a device_map without 'disk' entries) before packing.")
     for i, experts in layers:
         packed = _packed_module(c, fmt, experts.gate_up_proj.device)
         if reader is not None:
