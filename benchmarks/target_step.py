@@ -25,29 +25,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from batched_generate import build_split_target  # noqa: E402
+from batched_generate import build_split_target, sync, wall  # noqa: E402
 
 from dsv4_mtp_hf import fp4, pack_fp4_experts  # noqa: E402
 from dsv4_mtp_hf.target_experts import expert_bytes  # noqa: E402
 
 SEED = 4321
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def gpu_ms(fn, iters: int) -> float:

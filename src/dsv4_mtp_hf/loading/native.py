@@ -135,6 +135,22 @@ def is_native_checkpoint(path_or_repo, kwargs: dict) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") == "deepseek_v4"
 
 
+def read_weight_map(path_or_repo, hub: dict) -> tuple[dict[str, str], str | None]:
+    """(tensor name -> shard file, the path of a single-file checkpoint or None) from the index, or from
+    ``model.safetensors`` when there is no index."""
+    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
+    if index_path is not None:
+        with open(index_path, encoding="utf-8") as f:
+            return json.load(f).get("weight_map") or {}, None
+    single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
+    if single is None:
+        raise MtpCheckpointError(
+            f"{path_or_repo} has neither {INDEX_FILE} nor {SINGLE_FILE} (or they could not be fetched): "
+            "not a safetensors DeepSeek-V4 release."
+        )
+    return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
+
+
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple]]:
     """name -> (dtype string, shape), with sanity checks that name the broken tensor."""
     size = os.path.getsize(path)
@@ -443,19 +459,7 @@ def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
 
     # 1. config + index (the only files besides the MTP shards that are fetched).
     config_dict = read_config_dict(path_or_repo, hub) or {}
-    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
-    if index_path is not None:
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        single = None
-    else:
-        single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
-        if single is None:
-            raise MtpCheckpointError(
-                f"{path_or_repo} has neither {INDEX_FILE} nor {SINGLE_FILE} (or they could not be fetched): "
-                "not a safetensors DeepSeek-V4 release."
-            )
-        weight_map = dict.fromkeys(read_safetensors_header(single), SINGLE_FILE)
+    weight_map, single = read_weight_map(path_or_repo, hub)
     mtp_keys = sorted(k for k in weight_map if k.startswith("mtp."))
     if not mtp_keys:
         nextn = config_dict.get("num_nextn_predict_layers")

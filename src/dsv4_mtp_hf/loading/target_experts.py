@@ -10,7 +10,6 @@ memory stays near one tensor.
 
 from __future__ import annotations
 
-import json
 import re
 from contextlib import ExitStack
 
@@ -20,13 +19,12 @@ from . import formats as F
 from .formats import MtpCheckpointError
 from .native import (
     EXPERT_MATRICES,
-    INDEX_FILE,
-    SINGLE_FILE,
     Unit,
     _expect,
     _fill_expert,
     read_config_dict,
     read_safetensors_header,
+    read_weight_map,
     resolve_file,
 )
 
@@ -42,19 +40,7 @@ class ReleaseExperts:
         hub = hub or {}
         self.source = str(path_or_repo)
         self.inter = inter
-        index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
-        if index_path is not None:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map") or {}
-            paths = None
-        else:
-            single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
-            if single is None:
-                raise MtpCheckpointError(
-                    f"{path_or_repo} has neither {INDEX_FILE} nor {SINGLE_FILE}: not a safetensors DeepSeek-V4 release."
-                )
-            weight_map = dict.fromkeys(read_safetensors_header(single), SINGLE_FILE)
-            paths = {SINGLE_FILE: single}
+        weight_map, single = read_weight_map(path_or_repo, hub)
         self._check_config(read_config_dict(path_or_repo, hub) or {}, num_layers, num_experts, hidden, inter)
         keys = [k for k in weight_map if LAYER_EXPERT.match(k)]
         if not keys:
@@ -64,7 +50,7 @@ class ReleaseExperts:
             )
         self.shard_of = {k: weight_map[k] for k in keys}
         shards = sorted(set(self.shard_of.values()))
-        self.paths = paths or {s: resolve_file(path_or_repo, s, hub) for s in shards}
+        self.paths = {s: single or resolve_file(path_or_repo, s, hub) for s in shards}
         header: dict = {}
         for s in shards:
             h = read_safetensors_header(self.paths[s])
