@@ -104,22 +104,26 @@ def native_tensors(mtp, layout: str) -> dict:
             bits, idx = gl
             g = bits[idx].view(torch.float32).reshape(())
             pre = f"mtp.0.ffn.experts.{e}.{m}"
-            if layout == "native_fp8_mxfp4":
-                out[pre + ".weight"], out[pre + ".scale"] = p.view(torch.int8), s.view(E8M0)
-            elif layout == "modelopt_nvfp4":
-                out[pre + ".weight"], out[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
-                out[pre + ".weight_scale_2"] = g.clone()
-                out[pre + ".input_scale"] = torch.tensor(0.5)
-            elif layout == "compressed_tensors_nvfp4":
-                inv = (1.0 / g).reshape(1)
-                out[pre + ".weight_packed"], out[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
-                out[pre + ".weight_global_scale"] = inv
-                out[pre + ".input_global_scale"] = torch.tensor([2.0])
-                bits[idx] = (1.0 / inv).reshape(()).view(torch.int32)
-            else:  # bf16 community conversion: dense experts (exact: MXFP4 values fit bf16)
-                dense = fp4.dequantize_fp4(p, s, fmt, g)
-                out[pre + ".weight"] = dense.to(torch.bfloat16)
+            if layout == "bf16":  # community conversion: dense experts (exact: MXFP4 values fit bf16)
+                out[pre + ".weight"] = fp4.dequantize_fp4(p, s, fmt, g).to(torch.bfloat16)
+                continue
+            out.update(packed_expert_tensors(pre, p, s, g, layout))
+            if layout == "compressed_tensors_nvfp4":  # the model holds what the stored reciprocal gives back
+                bits[idx] = (1.0 / out[pre + ".weight_global_scale"]).reshape(()).view(torch.int32)
     return out
+
+
+def packed_expert_tensors(pre: str, p, s, g, layout: str) -> dict:
+    """One packed expert matrix ``pre`` (bytes ``p``, scale bytes ``s``, fp32 global ``g``) under a layout's
+    native tensor names."""
+    if layout == "native_fp8_mxfp4":
+        return {pre + ".weight": p.view(torch.int8), pre + ".scale": s.view(E8M0)}
+    if layout == "modelopt_nvfp4":
+        return {pre + ".weight": p, pre + ".weight_scale": s.view(torch.float8_e4m3fn),
+                pre + ".weight_scale_2": g.clone().reshape(()), pre + ".input_scale": torch.tensor(0.5)}
+    assert layout == "compressed_tensors_nvfp4", layout
+    return {pre + ".weight_packed": p, pre + ".weight_scale": s.view(torch.float8_e4m3fn),
+            pre + ".weight_global_scale": (1.0 / g).reshape(1), pre + ".input_global_scale": torch.tensor([2.0])}
 
 
 def target_tensors(target) -> dict:

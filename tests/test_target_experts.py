@@ -16,9 +16,9 @@ from dsv4_mtp_hf.loading import MtpCheckpointError
 from dsv4_mtp_hf.target_experts import expert_bytes
 
 from .helpers import randomize_, tiny_pair, tiny_target_config
+from .test_loading import packed_expert_tensors
 
 SEED = 31
-E8M0 = torch.float8_e8m0fnu
 
 
 def packed_experts(config, fmt: str, seed: int):
@@ -58,16 +58,7 @@ def write_release(path, config, experts: dict, layout: str, skip=None, config_ex
         for e in range(w13.shape[0]):
             for m, p, s, gl in (("w1", w13[e, :i], s13[e, :i], g13[e, 0]), ("w3", w13[e, i:], s13[e, i:], g13[e, 1]),
                                 ("w2", w2[e], s2[e], g2[e])):
-                pre = f"layers.{layer}.ffn.experts.{e}.{m}"
-                if layout == "native_mxfp4":
-                    tensors[pre + ".weight"], tensors[pre + ".scale"] = p.view(torch.int8), s.view(E8M0)
-                elif layout == "modelopt_nvfp4":
-                    tensors[pre + ".weight"], tensors[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
-                    tensors[pre + ".weight_scale_2"] = gl.clone()
-                    tensors[pre + ".input_scale"] = torch.tensor(0.5)
-                else:  # compressed-tensors: the reciprocal global
-                    tensors[pre + ".weight_packed"], tensors[pre + ".weight_scale"] = p, s.view(torch.float8_e4m3fn)
-                    tensors[pre + ".weight_global_scale"] = (1.0 / gl).reshape(1)
+                tensors.update(packed_expert_tensors(f"layers.{layer}.ffn.experts.{e}.{m}", p, s, gl, layout))
     if skip:
         tensors.pop(skip)
     path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +81,7 @@ def logits(target, seed: int = SEED):
         return target(ids.to(target.device)).logits
 
 
-FORMAT = {"native_mxfp4": "mxfp4", "modelopt_nvfp4": "nvfp4", "compressed_tensors_nvfp4": "nvfp4"}
+FORMAT = {"native_fp8_mxfp4": "mxfp4", "modelopt_nvfp4": "nvfp4", "compressed_tensors_nvfp4": "nvfp4"}
 
 
 @pytest.mark.parametrize("layout", sorted(FORMAT))
@@ -155,16 +146,16 @@ def test_bad_input_names_the_problem(tmp_path):
     with pytest.raises(TypeError, match="DeepSeek-V4"):
         pack_fp4_experts(torch.nn.Linear(2, 2))
     with pytest.raises(MtpCheckpointError, match=r"layers\.1\.ffn\.experts\.3\.w2\.scale"):
-        pack_fp4_experts(target, write_release(tmp_path / "a", target.config, experts, "native_mxfp4",
+        pack_fp4_experts(target, write_release(tmp_path / "a", target.config, experts, "native_fp8_mxfp4",
                                                skip="layers.1.ffn.experts.3.w2.scale"))
     with pytest.raises(MtpCheckpointError, match="n_routed_experts: release 16, target 8"):
-        pack_fp4_experts(target, write_release(tmp_path / "b", target.config, experts, "native_mxfp4",
+        pack_fp4_experts(target, write_release(tmp_path / "b", target.config, experts, "native_fp8_mxfp4",
                                                config_extra={"n_routed_experts": 16}))
     with pytest.raises(MtpCheckpointError, match="lossy re-quantisation"):
-        pack_fp4_experts(target, write_release(tmp_path / "c", target.config, experts, "native_mxfp4"),
+        pack_fp4_experts(target, write_release(tmp_path / "c", target.config, experts, "native_fp8_mxfp4"),
                          expert_format="nvfp4")
     with pytest.raises(MtpCheckpointError, match="no routed experts"):
-        pack_fp4_experts(target, write_release(tmp_path / "d", target.config, {}, "native_mxfp4"))
+        pack_fp4_experts(target, write_release(tmp_path / "d", target.config, {}, "native_fp8_mxfp4"))
     offloaded = tiny_pair(seed=SEED)[0]
     ex = offloaded.model.layers[2].mlp.experts
     ex.gate_up_proj = torch.nn.Parameter(torch.empty(ex.gate_up_proj.shape, device="meta"))  # what disk offload leaves
