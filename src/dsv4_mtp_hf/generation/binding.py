@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from .candidate import MtpCandidateGenerator
+from .draft_length import AUTO_MAX_DRAFTS
 from .stats import GenerationStats
 from .target_cache import RollbackDeepseekV4Cache
 
@@ -26,10 +27,11 @@ _INSTANCE_ATTRS = ("generate", "_get_candidate_generator")
 class _AssistedRun:
     """State of one assisted `generate` call."""
 
-    def __init__(self, mtp, target, num_assistant_tokens: int):
+    def __init__(self, mtp, target, num_assistant_tokens: int, auto: bool = False):
         self.mtp, self.target = mtp, target
-        self.num_assistant_tokens = num_assistant_tokens
-        self.stats = GenerationStats(num_assistant_tokens)
+        self.num_assistant_tokens = num_assistant_tokens  # with ``auto``: the most drafts a round may have
+        self.auto = auto
+        self.stats = GenerationStats(num_assistant_tokens, auto=auto)
         self._residual = None
         self._hook = target.model.hc_head.register_forward_pre_hook(self._capture)
 
@@ -112,8 +114,11 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
         )
     k = kwargs.pop("num_assistant_tokens", None)
     k = mtp.generation_config.num_assistant_tokens if k is None else k
+    auto = k == "auto"
+    if auto:  # chosen per round, at most AUTO_MAX_DRAFTS (generation/draft_length.py)
+        k = min(AUTO_MAX_DRAFTS, mtp.config.max_draft_tokens + 1)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1 (drafts per round), got {k!r}.")
+        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1 (drafts per round) or \"auto\", got {k!r}.")
     if k - 1 > mtp.config.max_draft_tokens:
         raise ValueError(
             f"`num_assistant_tokens`={k} exceeds what the MTP cache can roll back "
@@ -131,7 +136,7 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
             f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
         )
     kwargs[name] = cache
-    run = _AssistedRun(mtp, target, k)
+    run = _AssistedRun(mtp, target, k, auto)
     mtp.last_generation_stats = run.stats
     mtp._active_run = run
     target._is_stateful = False  # instance attribute: this call only

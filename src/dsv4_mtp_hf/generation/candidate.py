@@ -26,6 +26,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..ops.argmax import argmax_last
+from .draft_length import AutoDraftLength
 
 
 class MtpCandidateGenerator(CandidateGenerator):
@@ -53,11 +54,14 @@ class MtpCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos_token_ids = set() if eos is None else set(eos.reshape(-1).tolist())
+        # "auto": K per round from this call's acceptance and round times; the drafts beyond it are dropped.
+        self.draft_length = AutoDraftLength(run.num_assistant_tokens) if getattr(run, "auto", False) else None
         self.drafter = self._make_drafter()
         self.cache = self.drafter.cache if self.drafter is not None else mtp.new_cache()
         self.confirmed_rows = 0  # MTP rows computed from the target's residual with confirmed tokens
         self.last_drafted = 0
         self.last_input_length = None
+        self.round_limit = self.num_assistant_tokens  # drafts handed to the verifier this round
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -150,6 +154,11 @@ class MtpCandidateGenerator(CandidateGenerator):
         # Roll the draft rows back and recompute the verified ones from the target's residual.
         self.cache.crop(self.confirmed_rows)
         budget = min(self.num_assistant_tokens, self.max_length - length - 1)
+        self.round_limit = self.num_assistant_tokens
+        if self.draft_length is not None:
+            self.round_limit = self.draft_length.choose()
+            if self.confirmed_rows == 0:
+                self.draft_length.skip_timing()  # this round also runs the MTP over the whole prompt
         d = self.drafter
         if (d is not None and budget == self.num_assistant_tokens and new_rows <= d.max_round_rows
                 and d.attention_plans is None):
@@ -177,7 +186,7 @@ class MtpCandidateGenerator(CandidateGenerator):
             return self._draft_all(input_ids, out)
         sequence = input_ids
         drafts, draft_logits = [], []
-        for k in range(budget):
+        for k in range(min(budget, self.round_limit)):
             processed = self._process(out.logits[:, -1], sequence.to(out.logits.device))
             # Nothing allowed here (all -inf, e.g. a grammar state): end the round, no junk draft.
             # Greedy needs no separate check: the argmax of an all -inf row is itself -inf below.
@@ -197,7 +206,7 @@ class MtpCandidateGenerator(CandidateGenerator):
             drafts.append(token)
             draft_logits.append(processed)
             sequence = torch.cat([sequence, token], dim=-1)
-            if token_id in self.eos_token_ids or k == budget - 1:
+            if token_id in self.eos_token_ids or k == min(budget, self.round_limit) - 1:
                 break
             position = length - 1 + k
             out = mtp(
@@ -223,9 +232,9 @@ class MtpCandidateGenerator(CandidateGenerator):
         return self._round_result(input_ids, tokens, logits)
 
     def _round_result(self, input_ids, tokens, logits):
-        """The round's candidates from its greedy drafts ``[1, K]``; drafts after an EOS are dropped
-        (their cache rows are rolled back next round)."""
-        ids = tokens[0].tolist()  # one host read for the whole round
+        """The round's candidates from its greedy drafts ``[1, K]``: the first ``round_limit`` of them, up to
+        an EOS (the rows of the dropped drafts are rolled back next round)."""
+        ids = tokens[0, : self.round_limit].tolist()  # one host read for the whole round
         keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
         self.last_drafted = keep
         return torch.cat([input_ids, tokens[:, :keep].to(input_ids.device)], dim=1), logits[:, :keep]
@@ -242,3 +251,6 @@ class MtpCandidateGenerator(CandidateGenerator):
         new_tokens = input_ids.shape[1] - (self.last_input_length or input_ids.shape[1])
         accepted = min(int(num_matches), self.last_drafted)
         self.run.stats.record_round(self.last_drafted, accepted, new_tokens)
+        if self.draft_length is not None and self.last_drafted:
+            self.draft_length.observe(self.last_drafted, accepted)
+            self.run.stats.draft_lengths.append(self.round_limit)

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GenerationStats:
-    num_assistant_tokens: int
+    num_assistant_tokens: int  # drafts per round; with ``auto``, the most a round may have
+    auto: bool = False  # num_assistant_tokens="auto": each round's K in ``draft_lengths``
     rounds: int = 0  # verify rounds in which the MTP proposed at least one token
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target accepted
@@ -15,6 +16,7 @@ class GenerationStats:
     rounds_stopped_by_processor: int = 0  # rounds cut short: no token allowed at a draft position
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)  # "auto": the K chosen for each round
 
     def record_round(self, drafted: int, accepted: int, new_tokens: int) -> None:
         self.new_tokens += new_tokens
@@ -47,7 +49,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {
-            "num_assistant_tokens": self.num_assistant_tokens,
+            "num_assistant_tokens": "auto" if self.auto else self.num_assistant_tokens,
+            "draft_lengths": list(self.draft_lengths),
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,

@@ -1,0 +1,83 @@
+"""``num_assistant_tokens="auto"``: the number of drafts per round, chosen from what this call measures.
+
+A round with K drafts yields ``E(K) = 1 + sum_{i<=K} prod_{j<=i} q_j`` tokens on average, where ``q_j`` is
+the chance that draft j is accepted given that drafts 1..j-1 were (counted per position over this call's
+rounds, from a Beta(1, 1) prior). It costs ``c(K) = c0 * (1 + r K)``: the target verifies K + 1 rows, and
+the drafts add MTP work. Each round's wall time (from one ``get_candidates`` to the next, the host sync
+transformers does included) is recorded under its K. The slope ``r`` is a least-squares fit once two K
+values have times, and ``PRIOR_SLOPE`` before that. Every round drafts the K that maximises ``E(K) / c(K)``,
+and every ``EXPLORE_EVERY``-th round a neighbouring K, so the slope keeps being measured. On CUDA the graphed
+round always drafts ``max_k`` (one graph; a draft step is ~0.5 ms) and hands the verifier the first K.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+# Per extra draft, the round's cost relative to a plain step, before any is measured.
+# BENCHMARKS.md: a 4-row verify costs ~1.1-1.2x a 1-row step on a 5-layer V4-Flash-shaped target.
+PRIOR_SLOPE = 0.07
+EXPLORE_EVERY = 8
+AUTO_MAX_DRAFTS = 4  # drafts per round at most with "auto"
+
+
+class AutoDraftLength:
+    def __init__(self, max_k: int):
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}.")
+        self.max_k = max_k
+        self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
+        self.taken = [0] * max_k  # ... and accepted draft j
+        self.times: dict[int, list[float]] = {}  # K -> round wall times (s)
+        self.choices: list[int] = []  # the K of every round
+        self._pending = None  # (K, start time) of the round in flight
+        self._clock = time.perf_counter
+
+    def expected_tokens(self, k: int) -> float:
+        total, p = 1.0, 1.0
+        for j in range(k):
+            p *= (self.taken[j] + 1) / (self.offered[j] + 2)
+            total += p
+        return total
+
+    def slope(self) -> float:
+        """``r``: the relative cost of one more draft, fitted from the recorded round times."""
+        means = {k: statistics.median(v[-32:]) for k, v in self.times.items() if v}
+        if len(means) < 2:
+            return PRIOR_SLOPE
+        ks, ts = list(means), list(means.values())
+        mk, mt = statistics.fmean(ks), statistics.fmean(ts)
+        b = sum((k - mk) * (t - mt) for k, t in zip(ks, ts)) / sum((k - mk) ** 2 for k in ks)
+        c0 = mt - b * mk
+        return max(b / c0, 0.0) if c0 > 0 else PRIOR_SLOPE
+
+    def best(self) -> int:
+        r = self.slope()
+        return max(range(1, self.max_k + 1), key=lambda k: self.expected_tokens(k) / (1 + r * k))
+
+    def choose(self) -> int:
+        """The K of the round about to be drafted; ends the timing of the previous round."""
+        now = self._clock()
+        if self._pending is not None:
+            k, start = self._pending
+            self.times.setdefault(k, []).append(now - start)
+        k = self.best()
+        if len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            k = k + 1 if k < self.max_k else k - 1  # a neighbour, to keep the slope measured
+        k = max(1, k)
+        self.choices.append(k)
+        self._pending = (k, now)
+        return k
+
+    def skip_timing(self) -> None:
+        """The round in flight is not a typical one (the MTP's first pass over the prompt): do not time it."""
+        self._pending = None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for j in range(min(drafted, self.max_k)):
+            self.offered[j] += 1
+            if j < accepted:
+                self.taken[j] += 1
+            else:
+                break

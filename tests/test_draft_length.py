@@ -1,0 +1,97 @@
+"""``num_assistant_tokens="auto"`` (`generation/draft_length.py`): the choice of K, and exact output with it."""
+
+import pytest
+import torch
+
+from dsv4_mtp_hf.generation import draft_length as dl
+from dsv4_mtp_hf.generation.draft_length import AutoDraftLength
+
+from .helpers import tiny_pair
+from .test_generation import PROMPT_LEN, OracleDrafts, prompt
+
+
+def rounds(policy, n, accepted_of, cost_of):
+    """``n`` rounds on a fake clock: round time ``cost_of(K)``, ``accepted_of(K)`` drafts accepted."""
+    clock = [0.0]
+    policy._clock = lambda: clock[0]
+    for _ in range(n):
+        k = policy.choose()
+        policy.observe(k, accepted_of(k))
+        clock[0] += cost_of(k)
+
+
+def test_high_acceptance_drafts_the_most_and_none_drafts_one():
+    sure = AutoDraftLength(4)
+    rounds(sure, 40, lambda k: k, lambda k: 1.0 + 0.05 * k)
+    assert sure.best() == 4 and sure.choices[-1] in (3, 4)
+    hopeless = AutoDraftLength(4)
+    rounds(hopeless, 40, lambda k: 0, lambda k: 1.0 + 0.05 * k)
+    assert hopeless.best() == 1
+    assert hopeless.choices[-24:].count(1) == 24 - 24 // dl.EXPLORE_EVERY  # all but the exploration rounds
+
+
+def test_the_cost_slope_is_fitted_from_round_times_and_decides_k():
+    for slope, want in ((0.02, 4), (1.0, 1)):
+        p = AutoDraftLength(4)
+        rounds(p, 40, lambda k: k // 2, lambda k, s=slope: 1.0 + s * k)
+        assert len(p.times) >= 2  # the exploration rounds measured a second K
+        assert p.slope() == pytest.approx(slope, rel=1e-6)
+        # 80% acceptance at every position: E(K) = 1 + .8 + .64 + ...; cheap drafts favour K=4, dear ones K=1
+        p.offered, p.taken = [1000] * 4, [800] * 4
+        assert p.best() == want, slope
+
+
+def test_exploration_and_the_untimed_first_round():
+    p = AutoDraftLength(3)
+    clock = [0.0]
+    p._clock = lambda: clock[0]
+    p.choose()
+    p.skip_timing()  # the first round also runs the MTP over the prompt
+    clock[0] += 100.0
+    for _ in range(dl.EXPLORE_EVERY):
+        p.observe(p.choices[-1], p.choices[-1])
+        p.choose()
+        clock[0] += 1.0
+    assert all(t < 2 for ts in p.times.values() for t in ts)  # the 100 s round was not recorded
+    assert p.choices[dl.EXPLORE_EVERY - 1] != p.choices[dl.EXPLORE_EVERY - 2]  # a neighbour was tried
+    with pytest.raises(ValueError, match="max_k"):
+        AutoDraftLength(0)
+
+
+@pytest.mark.parametrize("fast", [False, "eager"])
+@pytest.mark.parametrize("wrong_every", [0, 1])  # 0: every draft right; 1: every draft wrong
+def test_auto_k_keeps_greedy_output_exact_and_follows_acceptance(fast, wrong_every, monkeypatch):
+    class Drafts(OracleDrafts):
+        fast_drafts = fast
+
+    # The round times of a tiny model on a CPU say little about a GPU; fix the cost slope, test the acceptance side.
+    monkeypatch.setattr(AutoDraftLength, "slope", lambda self: dl.PRIOR_SLOPE)
+
+    target, mtp = tiny_pair(seed=40)
+    ids = prompt(40)
+    kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    OracleDrafts.truth = plain
+    OracleDrafts.wrong_at = set(range(PROMPT_LEN, PROMPT_LEN + 60)) if wrong_every else set()
+    OracleDrafts.recorded = []
+    mtp.candidate_generator_class = Drafts
+    try:
+        assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens="auto", **kw)
+    finally:
+        mtp.candidate_generator_class = None
+    if fast:  # the paged drafter drafts greedily itself: its drafts are the MTP's, not the oracle's
+        OracleDrafts.wrong_at = set()
+    assert torch.equal(assisted, plain)
+    s = mtp.last_generation_stats
+    assert s.auto and s.as_dict()["num_assistant_tokens"] == "auto" and s.num_assistant_tokens == dl.AUTO_MAX_DRAFTS
+    print("draft lengths:", s.draft_lengths)
+    assert len(s.draft_lengths) == s.rounds and set(s.draft_lengths) <= {1, 2, 3, 4}
+    if not fast:
+        late = s.draft_lengths[len(s.draft_lengths) // 2:]
+        assert (min(late) >= 3) if not wrong_every else (sorted(late)[len(late) // 2] == 1), s.draft_lengths
+
+
+def test_auto_k_bad_values_are_named():
+    target, mtp = tiny_pair(seed=41)
+    with pytest.raises(ValueError, match='or "auto"'):
+        target.generate(prompt(41), assistant_model=mtp, num_assistant_tokens="fast", max_new_tokens=4)
