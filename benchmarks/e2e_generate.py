@@ -293,7 +293,7 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt", type=int, default=100)
-    p.add_argument("--ks", default="1,2,3")
+    p.add_argument("--ks", default="1,2,3,auto")
     p.add_argument("--profiles", default="none,all,deepseek")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--batch-k", type=int, default=3)
@@ -308,7 +308,7 @@ def main():
             saved = json.load(f)
         report(saved["rows"], saved["checks"], args.project)
         return
-    args.ks = [int(x) for x in args.ks.split(",") if x]
+    args.ks = [x if x == "auto" else int(x) for x in args.ks.split(",") if x]  # "auto": num_assistant_tokens="auto"
     args.profiles = [x for x in args.profiles.split(",") if x]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     print(f"seed={SEED}", flush=True)
@@ -352,7 +352,7 @@ def project(rows, layers: int) -> list[str]:
     step = at(row(l1, "plain", 0)["round_ms"], row(l2, "plain", 0)["round_ms"])
     out = [f"projection to {layers} layers (verify and plain step linear in the layer count from {l1} and {l2}, "
            f"MTP work and glue as at {l2}; not measured): plain step {step:.1f} ms"]
-    for case, k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}):
+    for case, k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}, key=str):
         c1, c2 = row(l1, case, k), row(l2, case, k)
         if c2["target_ms"] is None:
             continue
