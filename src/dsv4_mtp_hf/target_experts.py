@@ -72,19 +72,11 @@ def _packed_module(config, fmt: str, device) -> FP4Experts:
 def _quantize_into(packed: FP4Experts, experts) -> None:
     """From the module's own (dense) weights: exact when they hold FP4 values of ``packed.format``
     (a release dequantised by transformers), a re-quantisation otherwise."""
-    i, fmt = packed.intermediate_size, packed.format
+    i = packed.intermediate_size
     for a in range(0, packed.num_experts, QUANTIZE_CHUNK):
         b = min(a + QUANTIZE_CHUNK, packed.num_experts)
-        gate_up, down = experts.gate_up_proj[a:b], experts.down_proj[a:b]
-        p1, s1, g1 = fp4.quantize_fp4(gate_up[:, :i], fmt)
-        p3, s3, g3 = fp4.quantize_fp4(gate_up[:, i:], fmt)
-        p2, s2, g2 = fp4.quantize_fp4(down, fmt)
-        packed.w13_weight[a:b] = torch.cat([p1, p3], dim=1)
-        packed.w13_scale[a:b] = torch.cat([s1, s3], dim=1)
-        packed.w13_global_bits[a:b] = torch.stack([g1, g3], dim=-1).view(torch.int32).to(packed.w13_global_bits.device)
-        packed.w2_weight[a:b] = p2
-        packed.w2_scale[a:b] = s2
-        packed.w2_global_bits[a:b] = g2.view(torch.int32).to(packed.w2_global_bits.device)
+        gate_up = experts.gate_up_proj[a:b]
+        packed.set_expert(slice(a, b), gate_up[:, :i], gate_up[:, i:], experts.down_proj[a:b])
 
 
 @torch.no_grad()

@@ -55,7 +55,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos_token_ids = set() if eos is None else set(eos.reshape(-1).tolist())
         # "auto": K per round from this call's acceptance and round times; the drafts beyond it are dropped.
-        self.draft_length = AutoDraftLength(run.num_assistant_tokens) if getattr(run, "auto", False) else None
+        self.draft_length = AutoDraftLength(run.num_assistant_tokens) if run.auto else None
         self.drafter = self._make_drafter()
         self.cache = self.drafter.cache if self.drafter is not None else mtp.new_cache()
         self.confirmed_rows = 0  # MTP rows computed from the target's residual with confirmed tokens

@@ -56,17 +56,18 @@ class FP4Experts(nn.Module):
         return self.w2_global_bits.view(torch.float32)
 
     @torch.no_grad()
-    def set_expert(self, e: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
-        """Quantise dense ``w1/w3 [I, D]`` and ``w2 [D, I]`` into slot ``e``."""
+    def set_expert(self, e: int | slice, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantise dense ``w1/w3 [I, D]`` and ``w2 [D, I]`` into slot ``e`` (or, with a slice, a stack
+        ``[n, I, D]`` / ``[n, D, I]`` into those slots)."""
         p1, s1, g1 = fp4.quantize_fp4(w1, self.format)
         p3, s3, g3 = fp4.quantize_fp4(w3, self.format)
         p2, s2, g2 = fp4.quantize_fp4(w2, self.format)
-        self.w13_weight[e] = torch.cat([p1, p3]).to(self.w13_weight.device)
-        self.w13_scale[e] = torch.cat([s1, s3]).to(self.w13_scale.device)
-        self.w13_global_bits[e] = torch.stack([g1, g3]).view(torch.int32).to(self.w13_global_bits.device)
+        self.w13_weight[e] = torch.cat([p1, p3], dim=-2).to(self.w13_weight.device)
+        self.w13_scale[e] = torch.cat([s1, s3], dim=-2).to(self.w13_scale.device)
+        self.w13_global_bits[e] = torch.stack([g1, g3], dim=-1).view(torch.int32).to(self.w13_global_bits.device)
         self.w2_weight[e] = p2.to(self.w2_weight.device)
         self.w2_scale[e] = s2.to(self.w2_scale.device)
-        self.w2_global_bits[e] = g2.reshape(1).view(torch.int32).to(self.w2_global_bits.device)[0]
+        self.w2_global_bits[e] = g2.view(torch.int32).to(self.w2_global_bits.device)
 
     def dequantized(self, e: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``(w13 [2I, D], w2 [D, I])`` of expert ``e`` (tests and oracles)."""

@@ -324,17 +324,22 @@ def validate_plan(units: list[Unit], header: dict, shapes: dict, layout: F.Exper
                 for role, (acc, shape) in F.expert_part_expectations(nv, "nvfp4", n, k).items():
                     _expect(u.sources[role], header, acc, shape if role != "global" else None, f"NVFP4 {role} of {u.target}")
         else:
-            n, k = (i, d) if u.target in ("w1", "w3") else (d, i)
-            for role, (acc, shape) in F.expert_part_expectations(layout, fmt, n, k).items():
-                name = u.sources[role]
-                if role == "global":
-                    got = header[name][1]
-                    if tuple(got) not in ((), (1,)):
-                        raise MtpCheckpointError(
-                            f"Tensor {name!r} has shape {list(got)}, expected [] or [1] (one global scale per matrix)."
-                        )
-                    shape = None
-                _expect(name, header, acc, shape, f"{layout.name} expert {role}, logical matrix [{n}, {k}]")
+            validate_expert(u, header, layout, fmt, d, i)
+
+
+def validate_expert(u: Unit, header: dict, layout: F.ExpertLayout, fmt: str, hidden: int, inter: int) -> None:
+    """Dtypes and shapes of one routed-expert matrix's tensors (``u.target`` w1 / w3 / w2), from headers."""
+    n, k = (inter, hidden) if u.target in ("w1", "w3") else (hidden, inter)
+    for role, (acc, shape) in F.expert_part_expectations(layout, fmt, n, k).items():
+        name = u.sources[role]
+        if role == "global":
+            got = header[name][1]
+            if tuple(got) not in ((), (1,)):
+                raise MtpCheckpointError(
+                    f"Tensor {name!r} has shape {list(got)}, expected [] or [1] (one global scale per matrix)."
+                )
+            shape = None
+        _expect(name, header, acc, shape, f"{layout.name} expert {role}, logical matrix [{n}, {k}]")
 
 
 # -- filling the meta model -----------------------------------------------------------------------------

@@ -20,15 +20,15 @@ from .formats import MtpCheckpointError
 from .native import (
     EXPERT_MATRICES,
     Unit,
-    _expect,
     _fill_expert,
     read_config_dict,
     read_safetensors_header,
     read_weight_map,
     resolve_file,
+    validate_expert,
 )
 
-LAYER_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.")
+LAYER_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.")
 
 
 class ReleaseExperts:
@@ -82,15 +82,9 @@ class ReleaseExperts:
                 if absent:
                     missing.extend(absent)
                     continue
-                n, k = (inter, hidden) if m in ("w1", "w3") else (hidden, inter)
-                for role, (accepted, shape) in F.expert_part_expectations(self.layout, self.format, n, k).items():
-                    name = srcs[role]
-                    if role == "global":
-                        if tuple(header[name][1]) not in ((), (1,)):
-                            raise MtpCheckpointError(f"Tensor {name!r} has shape {list(header[name][1])}, expected [] or [1].")
-                        shape = None
-                    _expect(name, header, accepted, shape, f"{self.layout.name} expert {role}, logical matrix [{n}, {k}]")
-                units.append(Unit("expert", m, srcs, self.layout.name, e))
+                unit = Unit("expert", m, srcs, self.layout.name, e)
+                validate_expert(unit, header, self.layout, self.format, hidden, inter)
+                units.append(unit)
         if missing:
             shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
             raise MtpCheckpointError(
