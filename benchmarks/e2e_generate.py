@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, left_pad  # noqa: E402
 
-from dsv4_mtp_hf import pack_fp4_experts  # noqa: E402
+from dsv4_mtp_hf import graph_target, pack_fp4_experts  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
 from dsv4_mtp_hf.generation.candidate import MtpCandidateGenerator  # noqa: E402
@@ -80,7 +80,7 @@ class Controlled:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.timing = False
         self._hooks = [
-            target.model.register_forward_pre_hook(self._take_ids, with_kwargs=True),
+            target.register_forward_pre_hook(self._take_ids, with_kwargs=True),  # graph_target skips target.model
             target.lm_head.register_forward_hook(self._margin),
             target.register_forward_pre_hook(self._target_start),
             target.register_forward_hook(self._target_end),
@@ -300,6 +300,9 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fp4-experts", action="store_true",
                    help="the target's routed experts packed in FP4 (pack_fp4_experts) instead of transformers' bf16")
+    p.add_argument("--graph-target", action="store_true",
+                   help="the target's decode steps as CUDA graphs (graph_target; needs capturable experts: "
+                        "with --fp4-experts)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--report", metavar="JSON", help="print the tables and projection of a saved run, measure nothing")
     args = p.parse_args()
@@ -314,11 +317,14 @@ def main():
     print(f"seed={SEED}", flush=True)
     rows, checks = [], {}
     for layers in [int(x) for x in args.layers.split(",")]:
-        label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "")
+        label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
+            ", graphed" if args.graph_target else "")
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED))
             if args.fp4_experts:
                 pack_fp4_experts(target)
+            if args.graph_target:  # rounds verify at most AUTO_MAX_DRAFTS drafts ("auto")
+                graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=4)
             ctl = Controlled(target, mtp, target.config.vocab_size)
             try:
                 assisted_cases(target, mtp, ctl, args, rows, checks, label)

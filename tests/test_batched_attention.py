@@ -52,8 +52,9 @@ def compare(ref, bat, rc, bc, chunks, seqs, what):
 
 
 @pytest.mark.tf_internals
+@pytest.mark.parametrize("capacity", [None, 160], ids=["growing", "fixed-shapes"])
 @pytest.mark.parametrize("overrides", [DEFAULT, DENSE], ids=["default", "dense"])
-def test_batched_logits_equal_per_sequence_through_rounds_crops_and_departures(overrides):
+def test_batched_logits_equal_per_sequence_through_rounds_crops_and_departures(overrides, capacity):
     def attempt(seed, margins):
         g = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
@@ -61,7 +62,7 @@ def test_batched_logits_equal_per_sequence_through_rounds_crops_and_departures(o
         margins.watch(target)
         vocab, K, B = target.config.vocab_size, 3, 4
         ref, bat = runners(target, max_chunk=rng.choice([4, 7, 256]))  # small max_chunk: prefill in pieces
-        rc, bc = ref.new_caches(B, K), bat.new_caches(B, K)
+        rc, bc = ref.new_caches(B, K), bat.new_caches(B, K, capacity)  # at most 25 + 24 * 4 + 1 + 13 tokens
         lengths = rng.sample(range(2, 26), B)  # ragged: compression windows close at different steps
         what = f"seed={seed} prompts={lengths}"
         compare(ref, bat, rc, bc, [torch.randint(3, vocab, (n,), generator=g) for n in lengths], list(range(B)),

@@ -6,15 +6,19 @@ from .grammar import GrammarStats, XGrammarLogitsProcessor
 from .speculative import SpeculativeOutput, mtp_decoding, speculative_generate
 from .stats import GenerationStats
 from .target_cache import CacheRollbackError, RollbackDeepseekV4Cache
+from .target_graph import GraphedTargetCache, graph_target, ungraph_target
 
 __all__ = [
     "CacheRollbackError",
     "GenerationStats",
+    "GraphedTargetCache",
     "GrammarStats",
     "MtpCandidateGenerator",
     "RollbackDeepseekV4Cache",
     "SpeculativeOutput",
     "XGrammarLogitsProcessor",
+    "graph_target",
     "mtp_decoding",
     "speculative_generate",
+    "ungraph_target",
 ]

@@ -26,6 +26,12 @@ below the furthest length a sequence reached.
 A forward is planned on the host from the lengths alone (:meth:`BatchedTargetState.plan`:
 gather/scatter indices, no device reads), the index tensors are copied once per device,
 and the layers then run without host synchronisation.
+
+With a ``capacity`` (the most tokens a sequence may reach), every shape of a forward depends
+only on its chunk lengths, not on the sequences' lengths: the entries are preallocated for the
+capacity and attended masked, and each stream compresses as many windows as could close (those
+that do not are written to a spare entry that is never read).  That is what lets a forward of
+a given shape replay as a CUDA graph (:mod:`.target_graph`).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ def _ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class _Plan:
     """Host-side index tensors of one forward (all int64 on CPU), copied once per device."""
 
-    def __init__(self, slots, lengths, chunk_lengths, window, max_rollback, streams):
+    def __init__(self, slots, lengths, chunk_lengths, window, max_rollback, streams, capacity=None):
         b = len(slots)
         self.slots = list(slots)
         self.L = L = torch.tensor(lengths, dtype=torch.long)
@@ -103,7 +109,8 @@ class _Plan:
             p = f"{rate}_{R}_{int(overlap)}_"
             w0 = L // rate
             nw = (L % rate + n) // rate  # windows that close in this forward
-            NW = int(nw.max())
+            # fixed shapes: as many windows as a chunk of S tokens can close, the rest to the spare entry
+            NW = int(nw.max()) if capacity is None else (rate - 1 + self.S) // rate
             if NW:
                 first = w0[:, None] + torch.arange(NW)  # [b, NW] entry index of each closing window
                 P = (first * rate)[:, :, None] + torch.arange(rate)  # [b, NW, rate] its source positions
@@ -112,29 +119,45 @@ class _Plan:
                     t[p + "prev"] = src(P - rate, R)
                     t[p + "has_prev"] = (first >= 1).long()
                 t[p + "epos"] = first * rate  # RoPE position of each entry
-                s, k = _ragged_arange(nw)
-                t[p + "e_row"], t[p + "e_idx"], t[p + "e_src"] = t["rows"][s], w0[s] + k, s * NW + k
+                if capacity is None:
+                    s, k = _ragged_arange(nw)
+                    e_idx = w0[s] + k
+                else:
+                    s, k = torch.arange(b).repeat_interleave(NW), torch.arange(NW).repeat(b)
+                    e_idx = torch.where(k < nw[s], w0[s] + k, capacity // rate)  # spare entry
+                t[p + "e_row"], t[p + "e_idx"], t[p + "e_src"] = t["rows"][s], e_idx, s * NW + k
             ring_writes(p, R)
-            self.streams[key] = (p, NW, int((end // rate).max()))
+            T = int((end // rate).max()) if capacity is None else capacity // rate
+            self.streams[key] = (p, NW, T)
         self._host = t
         self._dev: dict = {}
+
+    def host_flat(self) -> torch.Tensor:
+        """Every index tensor in one flat int64 CPU tensor (the layout :meth:`use` reads)."""
+        return torch.cat([v.reshape(-1) for v in self._host.values()])
 
     def on(self, dev: torch.device) -> dict:
         """The index tensors (and the masks derived from them) on ``dev``: one copy per device."""
         dev = torch.device(dev)
         if dev in self._dev:
             return self._dev[dev]
-        names = list(self._host)
-        flat = torch.cat([self._host[k].reshape(-1) for k in names])
+        flat = self.host_flat()
         if dev.type == "cuda":
             flat = flat.pin_memory().to(dev, non_blocking=True)
         else:
             flat = flat.to(dev)
+        return self.use(flat)
+
+    def use(self, flat: torch.Tensor) -> dict:
+        """The index tensors as views of ``flat`` (laid out as :meth:`host_flat`, on any device; a
+        CUDA graph's static buffer), plus the masks derived from them, for the forwards on its device."""
+        if flat.numel() != sum(v.numel() for v in self._host.values()):
+            raise ValueError(f"plan buffer holds {flat.numel()} indices, this plan needs "
+                             f"{sum(v.numel() for v in self._host.values())}.")
         t, i = {}, 0
-        for k in names:
-            m = self._host[k].numel()
-            t[k] = flat[i : i + m].view(self._host[k].shape)
-            i += m
+        for k, v in self._host.items():
+            t[k] = flat[i : i + v.numel()].view(v.shape)
+            i += v.numel()
         pos, kpos = t["pos"][:, :, None], t["kpos"][:, None, :]
         # sliding: a query at p sees the keys p - W + 1 .. p that exist (transformers' sliding mask)
         t["k_ok"] = (kpos >= 0) & (kpos < t["end"][:, None, None]) & (kpos <= pos) & (pos - kpos < self.window)
@@ -143,15 +166,17 @@ class _Plan:
             t[p + "thresh"] = (t["pos"] + 1) // key[0]
             if p + "has_prev" in t:
                 t[p + "has_prev"] = t[p + "has_prev"].bool()
-        self._dev[dev] = t
+        self._dev[flat.device] = t
         return t
 
 
 class _Stream:
     """One compressor stream of one layer: raw-row rings and compressed entries."""
 
-    def __init__(self, rate: int, ring: int, overlap: bool):
+    def __init__(self, rate: int, ring: int, overlap: bool, capacity: int | None):
         self.rate, self.R, self.overlap = rate, ring, overlap
+        # with a capacity: every entry the capacity allows, plus the spare one unused windows write to
+        self.fixed_entries = None if capacity is None else capacity // rate + 1
         self.ring_kv = self.ring_gate = self.entries = None
 
     @property
@@ -185,7 +210,7 @@ class _Stream:
             compressed = module.kv_norm((win_kv * weights).sum(dim=2))  # [b, NW, d]
             cos, sin = module.rotary_emb(compressed, position_ids=t[p + "epos"], layer_type="compress")
             compressed = apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
-            self._reserve(T, compressed)
+            self._reserve(T if self.fixed_entries is None else self.fixed_entries, compressed)
             self.entries.index_put_((t[p + "e_row"], t[p + "e_idx"]), compressed.flatten(0, 1)[t[p + "e_src"]])
         self.ring_kv.index_put_((t[p + "w_row"], t[p + "w_slot"]), kv[t[p + "w_src"]])
         self.ring_gate.index_put_((t[p + "w_row"], t[p + "w_slot"]), gate[t[p + "w_src"]])
@@ -196,34 +221,37 @@ class _Stream:
         have = 0 if self.entries is None else self.entries.shape[1]
         if count <= have:
             return
-        grown = like.new_zeros(self.ring_kv.shape[0], max(count, 2 * have, 16), like.shape[-1])
+        size = count if self.fixed_entries is not None else max(count, 2 * have, 16)
+        grown = like.new_zeros(self.ring_kv.shape[0], size, like.shape[-1])
         if self.entries is not None:
             grown[:, :have] = self.entries
         self.entries = grown
 
 
 class _LayerState:
-    def __init__(self, layer_type: str, config, max_rollback: int):
+    def __init__(self, layer_type: str, config, max_rollback: int, capacity: int | None):
         self.layer_type = layer_type
         self.ring = None
         self.streams: dict[str, _Stream] = {}
         if layer_type == _HCA:
             m = config.compress_rates[_HCA]
-            self.streams["compressor"] = _Stream(m, max(1, m - 1 + max_rollback), overlap=False)
+            self.streams["compressor"] = _Stream(m, max(1, m - 1 + max_rollback), False, capacity)
         elif layer_type == _CSA:
             m = config.compress_rates[_CSA]
             for name in ("compressor", "indexer"):  # the overlap needs the previous window: 2m - 1 rows
-                self.streams[name] = _Stream(m, 2 * m - 1 + max_rollback, overlap=True)
+                self.streams[name] = _Stream(m, 2 * m - 1 + max_rollback, True, capacity)
 
 
 class BatchedTargetState:
     """Attention state of every layer of a V4 target for ``batch_size`` sequence slots.
 
     ``max_rollback``: the most tokens a :meth:`crop` may remove below the furthest length a
-    sequence has reached (the number of draft tokens verified per round).
+    sequence has reached (the number of draft tokens verified per round).  ``capacity``: the
+    most tokens a sequence may reach; with it, a forward's shapes depend only on its chunk
+    lengths (what a CUDA graph needs), without it the compressed entries grow as needed.
     """
 
-    def __init__(self, config, batch_size: int, max_rollback: int):
+    def __init__(self, config, batch_size: int, max_rollback: int, capacity: int | None = None):
         config = config.get_text_config(decoder=True)
         types = list(getattr(config, "layer_types", None) or [])
         unknown = sorted(set(types) - {_SLIDING, _HCA, _CSA})
@@ -235,9 +263,12 @@ class BatchedTargetState:
                              f"{impl!r}. Use target_attention='per_sequence'.")
         if max_rollback < 0 or batch_size < 1:
             raise ValueError(f"need batch_size >= 1 and max_rollback >= 0, got {batch_size}, {max_rollback}.")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be None or >= 1 tokens, got {capacity}.")
         self.config, self.batch_size, self.max_rollback = config, int(batch_size), int(max_rollback)
+        self.capacity = None if capacity is None else int(capacity)
         self.window = int(config.sliding_window)
-        self.layers = [_LayerState(t, config, self.max_rollback) for t in types]
+        self.layers = [_LayerState(t, config, self.max_rollback, self.capacity) for t in types]
         self.lengths = [0] * batch_size
         self.high = [0] * batch_size  # furthest length reached: rings hold rows back to high - ring size
         self.alive = [True] * batch_size
@@ -275,9 +306,15 @@ class BatchedTargetState:
             raise ValueError(f"each sequence at most once per forward, got slots {slots}.")
         for s in slots:
             self._check(s)
+        if self.capacity is not None:
+            for s, n in zip(slots, chunk_lengths):
+                if self.lengths[s] + n > self.capacity:
+                    raise ValueError(
+                        f"sequence {s} would reach {self.lengths[s] + n} tokens; this state holds at most "
+                        f"capacity={self.capacity} (for a graphed target: graph_target(target, max_length=...)).")
         keys = {st.key for layer in self.layers for st in layer.streams.values()}
         return _Plan(slots, [self.lengths[s] for s in slots], chunk_lengths, self.window, self.max_rollback,
-                     sorted(keys))
+                     sorted(keys), self.capacity)
 
     def commit(self, plan: _Plan) -> None:
         """After every layer ran ``plan``: the sequences are longer by their chunks."""

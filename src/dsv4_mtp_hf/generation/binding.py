@@ -20,6 +20,7 @@ from .candidate import MtpCandidateGenerator
 from .draft_length import AUTO_MAX_DRAFTS
 from .stats import GenerationStats
 from .target_cache import RollbackDeepseekV4Cache
+from .target_graph import GraphedTargetCache
 
 _INSTANCE_ATTRS = ("generate", "_get_candidate_generator")
 
@@ -61,8 +62,17 @@ def _cache_kwarg(target) -> str:
 
 def attach(mtp, target) -> None:
     drafts = target.__dict__.get("_dsv4_mtp_drafts")
-    if drafts is not None:  # already wrapped (another draft may share this target)
+    if drafts is not None:  # another draft may share this target
         drafts.add(mtp)
+        return
+    target._dsv4_mtp_drafts = weakref.WeakSet([mtp])
+    ensure_wrapped(target)
+
+
+def ensure_wrapped(target) -> None:
+    """The per-instance ``generate`` / ``_get_candidate_generator`` that bound drafts and a graphed
+    target (:mod:`.target_graph`) both rely on; installed once, removed by :func:`release_wrapper`."""
+    if "_dsv4_wrapped" in target.__dict__:
         return
     cls_generate = type(target).generate
     cls_get_candidate_generator = type(target)._get_candidate_generator
@@ -70,15 +80,22 @@ def attach(mtp, target) -> None:
     @functools.wraps(cls_generate)
     def generate(*args, **kwargs):
         assistant = kwargs.get("assistant_model")
-        if assistant is None or getattr(getattr(assistant, "config", None), "model_type", None) != "deepseek_v4_mtp":
-            return cls_generate(target, *args, **kwargs)
-        if assistant.target_model is not target:
-            raise ValueError(
-                "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
-                f"{'no target' if assistant.target_model is None else 'a different target'}); call "
-                "`mtp.bind(target)` first."
-            )
-        return _assisted_generate(assistant, target, cls_generate, args, kwargs)
+        if getattr(getattr(assistant, "config", None), "model_type", None) == "deepseek_v4_mtp":
+            if assistant.target_model is not target:
+                raise ValueError(
+                    "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
+                    f"{'no target' if assistant.target_model is None else 'a different target'}); call "
+                    "`mtp.bind(target)` first."
+                )
+            return _assisted_generate(assistant, target, cls_generate, args, kwargs)
+        graphs = target.__dict__.get("_dsv4_target_graphs")
+        ids = _input_ids(args, kwargs)
+        if (graphs is not None and assistant is None and kwargs.get("use_cache", True) is not False
+                and ids is not None and ids.shape[0] == 1):  # the graphed step runs one sequence; batches: transformers'
+            name = _cache_kwarg(target)
+            if kwargs.get(name) is None and kwargs.get("past_key_values") is None:
+                kwargs[name] = graphs.new_cache()  # plain generate on the graphed step
+        return cls_generate(target, *args, **kwargs)
 
     def _get_candidate_generator(*args, **kwargs):
         assistant = kwargs.get("assistant_model")
@@ -91,7 +108,15 @@ def attach(mtp, target) -> None:
 
     target.generate = generate
     target._get_candidate_generator = _get_candidate_generator
-    target._dsv4_mtp_drafts = weakref.WeakSet([mtp])
+    target._dsv4_wrapped = True
+
+
+def release_wrapper(target) -> None:
+    """Remove the per-instance wrapper once no draft is bound and the target is not graphed."""
+    if target.__dict__.get("_dsv4_mtp_drafts") or "_dsv4_target_graphs" in target.__dict__:
+        return
+    for name in _INSTANCE_ATTRS + ("_dsv4_mtp_drafts", "_dsv4_wrapped"):
+        target.__dict__.pop(name, None)
 
 
 def detach(mtp, target) -> None:
@@ -99,9 +124,7 @@ def detach(mtp, target) -> None:
     if drafts is None:
         return
     drafts.discard(mtp)
-    if not drafts:  # the last draft leaves: the target is exactly as before binding
-        for name in _INSTANCE_ATTRS + ("_dsv4_mtp_drafts",):
-            target.__dict__.pop(name, None)
+    release_wrapper(target)  # the last draft leaves: the target is exactly as before binding (unless graphed)
 
 
 def _assisted_generate(mtp, target, cls_generate, args, kwargs):
@@ -128,9 +151,10 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
     other = "past_key_values" if name == "cache" else "cache"
     cache = kwargs.pop(name, None)
     cache = kwargs.pop(other, None) if cache is None else cache
+    graphs = target.__dict__.get("_dsv4_target_graphs")
     if cache is None:
-        cache = RollbackDeepseekV4Cache(target.config, max_rollback=k)
-    elif not isinstance(cache, RollbackDeepseekV4Cache) or cache.max_rollback < k:
+        cache = graphs.new_cache(k) if graphs is not None else RollbackDeepseekV4Cache(target.config, max_rollback=k)
+    elif not isinstance(cache, (RollbackDeepseekV4Cache, GraphedTargetCache)) or cache.max_rollback < k:
         raise ValueError(
             "MTP speculative decoding needs a target cache that rolls back compressed-attention state: pass no "
             f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."

@@ -70,12 +70,13 @@ class RaggedTargetForward:
     def new_cache(self, max_rollback: int) -> RollbackDeepseekV4Cache:
         return RollbackDeepseekV4Cache(self.config, max_rollback=max_rollback)
 
-    def new_caches(self, batch_size: int, max_rollback: int) -> list:
+    def new_caches(self, batch_size: int, max_rollback: int, capacity: int | None = None) -> list:
         """One cache per sequence, of the kind this runner's ``attention`` takes.  Call a
-        cache's ``free()`` (batched) or drop it (per-sequence) when its sequence finishes."""
+        cache's ``free()`` (batched) or drop it (per-sequence) when its sequence finishes.
+        ``capacity`` (batched): fixed shapes for sequences of at most that many tokens."""
         if self.attention == "per_sequence":
             return [self.new_cache(max_rollback) for _ in range(batch_size)]
-        return BatchedTargetState(self.config, batch_size, max_rollback).sequences()
+        return BatchedTargetState(self.config, batch_size, max_rollback, capacity).sequences()
 
     def _mask(self, embeds: torch.Tensor, cache, positions: torch.Tensor):
         # What DeepseekV4Model.forward builds for this sequence alone (generate passes an

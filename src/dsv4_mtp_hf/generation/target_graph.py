@@ -1,0 +1,259 @@
+"""The target's decode step replayed as CUDA graphs, under transformers' own ``generate``.
+
+transformers' eager V4 layer is bound by kernel launches (~6 ms per layer at batch 1 on an
+H200, of which the routed experts are ~1.2 ms), and its cache changes shape every step, so it
+cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode step instead:
+
+* its attention state is a :class:`~.batched_attention.BatchedTargetState` with a
+  ``capacity`` (one sequence slot, every buffer preallocated for ``max_length`` tokens), so a
+  forward's shapes depend only on its number of new rows ``n``;
+* the layers are :class:`~.ragged_target.RaggedTargetForward`'s spelling of transformers'
+  ``DeepseekV4DecoderLayer.forward`` with the target's own modules and weights;
+* for ``n <= max_rollback + 1`` (a plain step, or a verify of ``K`` drafts) the embedding and
+  every layer replay one CUDA graph per ``n``, captured the first time ``n`` occurs (that
+  first forward runs eagerly and is the warm-up).  The forward's indices are planned on the
+  host from the length alone and copied into the graph's static buffer: no host sync;
+* ``hc_head``, ``norm`` and ``lm_head`` run eagerly after the replay, so forward hooks on them
+  (the MTP's residual hook) see every forward.  Longer forwards (the prompt) run the same
+  fixed-shape code eagerly, in chunks.
+
+The state rolls back by moving its length (:class:`GraphedTargetCache.crop`), so assisted
+generation with the MTP works on top of it.  On CPU the same fixed-shape step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from .batched_attention import BatchedTargetState
+from .ragged_target import RaggedTargetForward
+
+__all__ = ["GraphedTargetCache", "TargetGraphs", "graph_target", "ungraph_target"]
+
+
+class GraphedTargetCache(Cache):
+    """The cache a graphed target's ``generate`` uses: a handle on the target's one fixed-shape
+    state (:class:`TargetGraphs`).  ``crop`` rolls back by up to ``max_rollback`` tokens.  Only
+    the newest cache of a target is valid: a new one resets the state."""
+
+    is_compileable = False  # transformers must not torch.compile around it: the graphs are ours
+    is_croppable = True
+
+    def __init__(self, graphs: "TargetGraphs", epoch: int):
+        super().__init__(layers=[])
+        self.graphs, self._epoch = graphs, epoch
+
+    @property
+    def max_rollback(self) -> int:
+        return self.graphs.state.max_rollback
+
+    def _live(self):
+        if self.graphs._epoch != self._epoch:
+            raise RuntimeError("this GraphedTargetCache was superseded: a graphed target holds one generation at a "
+                               "time, and a newer cache reset its state. Start a new generate call.")
+        return self.graphs.sequence
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._live().get_seq_length()
+
+    def crop(self, max_length) -> None:
+        """transformers' conventions: ``<= 0`` removes ``-max_length`` tokens, ``> 0`` keeps that many."""
+        self._live().crop(int(max_length))
+
+    def __repr__(self) -> str:
+        return f"GraphedTargetCache(length={self.get_seq_length()}, max_rollback={self.max_rollback})"
+
+
+class _Graph:
+    """One captured step of ``n`` rows: static inputs (token ids, the plan's indices) and output."""
+
+    def __init__(self, n: int, plan_size: int, device: torch.device):
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.flat = torch.zeros(plan_size, dtype=torch.long, device=device)
+        self.graph = self.out = None
+
+
+class TargetGraphs:
+    """A DeepSeek-V4 target's fixed-shape decode state and its CUDA graphs (see the module
+    docstring).  Made by :func:`graph_target`; ``forward`` serves the target's ``forward`` when
+    it is called with a :class:`GraphedTargetCache`."""
+
+    def __init__(self, target, max_length: int, max_rollback: int):
+        if getattr(getattr(target, "config", None), "model_type", None) != "deepseek_v4" or not hasattr(target, "model"):
+            raise TypeError(f"graph_target needs a transformers DeepseekV4ForCausalLM, got {type(target).__name__}.")
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int (the most tokens a sequence reaches), got {max_length!r}.")
+        if not isinstance(max_rollback, int) or isinstance(max_rollback, bool) or max_rollback < 0:
+            raise ValueError(f"max_rollback must be an int >= 0 (the most drafts per round), got {max_rollback!r}.")
+        devices = {p.device for p in target.parameters()} | {b.device for b in target.buffers()}
+        if len(devices) != 1 or next(iter(devices)).type == "meta":
+            raise ValueError(f"graph_target needs the whole target on one device; its tensors are on "
+                             f"{sorted(map(str, devices))}. Load it on one GPU (device_map={{'': 0}}), or leave it "
+                             "ungraphed (split targets run transformers' forward).")
+        self.target, self.device = target, next(iter(devices))
+        self.runner = RaggedTargetForward(target, attention="batched")
+        self.state = BatchedTargetState(target.config, 1, max_rollback, capacity=max_length)
+        self.sequence = self.state.sequences()[0]
+        self.max_length, self.max_rows = max_length, max_rollback + 1
+        self.use_graphs = self.device.type == "cuda"
+        self._graphs: dict[int, _Graph] = {}
+        self._epoch = 0
+
+    def new_cache(self, max_rollback: int = 0) -> GraphedTargetCache:
+        """A cache for one generation (rolls back up to ``max_rollback`` tokens); resets the state."""
+        if max_rollback > self.state.max_rollback:
+            raise ValueError(f"this graphed target rolls back at most {self.state.max_rollback} tokens per round, "
+                             f"{max_rollback} asked: call graph_target(target, max_rollback={max_rollback}).")
+        self.state.lengths[0] = self.state.high[0] = 0
+        self._epoch += 1
+        return GraphedTargetCache(self, self._epoch)
+
+    # -- the forward -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, cache: GraphedTargetCache, input_ids=None, attention_mask=None, position_ids=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, output_class=None,
+                cache_name: str = "past_key_values", **kwargs):
+        if cache.graphs is not self:
+            raise ValueError("this GraphedTargetCache belongs to another graphed target.")
+        cache._live()
+        if inputs_embeds is not None or labels is not None or input_ids is None:
+            raise ValueError("a graphed target's forward takes input_ids (no inputs_embeds, no labels); call "
+                             "ungraph_target(target) for training or embedding inputs.")
+        for name in ("output_attentions", "output_hidden_states", "output_router_logits"):
+            if kwargs.get(name):
+                raise ValueError(f"a graphed target's forward does not return {name[7:]}; call "
+                                 "ungraph_target(target) to get them from transformers' forward.")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"a graphed target runs one sequence (input_ids [1, n]), got {tuple(input_ids.shape)}; "
+                             "batches run through dsv4_mtp_hf.generation.speculative_generate.")
+        past, n = cache.get_seq_length(), input_ids.shape[1]
+        self._check_inputs(attention_mask, position_ids, past, n)
+        ids = input_ids.to(self.device)
+        if self.use_graphs and n <= self.max_rows:
+            residual = self._replay(ids, n)
+        else:
+            residual = self.runner._batched([ids[0]], [self.sequence], [n])
+        model = self.target.model
+        h = model.norm(model.hc_head(residual.unsqueeze(0)))  # eager: hooks on hc_head see every forward
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.target.lm_head(h[:, keep])
+        return output_class(logits=logits, **{cache_name: cache})
+
+    def _check_inputs(self, attention_mask, position_ids, past: int, n: int) -> None:
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (1, past + n):
+                raise ValueError(f"a graphed target takes a 2-D attention mask of shape (1, {past + n}) (all ones), got "
+                                 f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}.")
+            if past == 0 and not bool(attention_mask.bool().all()):  # checked once per generation (a host read)
+                raise ValueError("a graphed target runs unpadded sequences: the attention mask must be all ones.")
+        if position_ids is not None:
+            if position_ids.shape[-1] != n:
+                raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens, input_ids {n}.")
+            if past == 0 and not torch.equal(position_ids.reshape(-1).cpu(), torch.arange(n)):
+                raise ValueError("a graphed target takes positions from its cache: position_ids must count on from "
+                                 "the cached length (0, 1, ... on the first forward).")
+
+    def _step(self, plan, g: _Graph) -> torch.Tensor:
+        """Embedding and every layer for the rows of ``plan``, reading ``g``'s static inputs."""
+        t = plan.use(g.flat)  # the derived masks are computed here, inside the graph
+        model, state = self.target.model, self.state
+
+        def attend(layer_idx, attn, x, pe, on):
+            return state.attend(layer_idx, attn, x, pe, plan)
+
+        return self.runner._layers(g.ids, t["flat_pos"], model.embed_tokens(g.ids), attend)
+
+    def _replay(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        plan = self.state.plan([0], [n])
+        flat = plan.host_flat()
+        g = self._graphs.get(n)
+        if g is None:
+            g = _Graph(n, flat.numel(), self.device)
+        g.ids.copy_(ids)
+        g.flat.copy_(flat)  # pageable source: the copy is staged before this returns, so `flat` may go
+        if g.graph is None:
+            out = self._step(plan, g)  # the real forward, and the capture's warm-up
+            self._capture(plan, g, n)
+            self._graphs[n] = g
+        else:
+            g.graph.replay()
+            out = g.out.clone()  # the next replay overwrites g.out; the MTP reads this residual later
+        self.state.commit(plan)
+        return out
+
+    def _capture(self, plan, g: _Graph, n: int) -> None:
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                g.out = self._step(plan, g)
+        except Exception as e:
+            impl = getattr(self.target.config, "_experts_implementation", None)
+            raise RuntimeError(
+                f"graph_target: capturing the target's decode step of {n} rows as a CUDA graph failed ({e}). "
+                f"Everything in a layer must be capturable (no host syncs): the experts implementation is {impl!r}; "
+                "pack_fp4_experts(target) or target.set_experts_implementation('grouped_mm') are. "
+                "Call ungraph_target(target) to run transformers' forward.") from e
+        g.graph = graph
+
+
+def _cache_name(target) -> str:
+    from .binding import _cache_kwarg
+
+    return _cache_kwarg(target)
+
+
+def graph_target(target, max_length: int = 4096, max_rollback: int = 8) -> TargetGraphs:
+    """Make ``target``'s decode steps replay as CUDA graphs (module docstring).
+
+    ``max_length``: the most tokens (prompt + generated) one generation reaches; the state's
+    buffers are sized for it.  ``max_rollback``: the most drafts an assisted round may verify.
+    Afterwards ``target.generate(...)`` (plain, or with ``assistant_model=mtp``) runs the graphed
+    step; ``target(ids, past_key_values=graphs.new_cache())`` too.  ``ungraph_target`` undoes it.
+    """
+    if "_dsv4_target_graphs" in target.__dict__:
+        raise ValueError("this target is already graphed; call ungraph_target(target) first to change max_length.")
+    graphs = TargetGraphs(target, max_length, max_rollback)
+    from .binding import ensure_wrapped
+
+    bound = type(target).forward.__get__(target)
+    name = _cache_name(target)
+
+    @functools.wraps(bound)
+    def forward(*args, **kwargs):
+        cache = kwargs.get(name, kwargs.get("past_key_values"))
+        if not isinstance(cache, GraphedTargetCache):
+            return bound(*args, **kwargs)
+        kwargs.pop(name, None)
+        kwargs.pop("past_key_values", None)
+        kwargs.pop("return_dict", None)
+        kwargs.pop("cache_position", None)  # 5.17 may pass it; positions come from the cache
+        if args:
+            kwargs["input_ids"] = args[0]
+            if len(args) > 1:
+                raise TypeError("a graphed target's forward takes input_ids positionally, the rest by keyword.")
+        return graphs.forward(cache, output_class=MoeCausalLMOutputWithPast, cache_name=name, **kwargs)
+
+    target.forward = forward
+    target._dsv4_target_graphs = graphs
+    ensure_wrapped(target)
+    return graphs
+
+
+def ungraph_target(target) -> None:
+    """Undo :func:`graph_target`: transformers' own forward and cache again."""
+    from .binding import release_wrapper
+
+    if target.__dict__.pop("_dsv4_target_graphs", None) is None:
+        raise ValueError("this target is not graphed (graph_target was not called on it).")
+    target.__dict__.pop("forward", None)
+    release_wrapper(target)
+
+
+def graphed(target) -> TargetGraphs | None:
+    """The target's :class:`TargetGraphs`, or None when it is not graphed."""
+    return target.__dict__.get("_dsv4_target_graphs")

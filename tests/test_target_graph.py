@@ -1,0 +1,176 @@
+"""`graph_target`: the target's fixed-shape decode step (CUDA graphs on a GPU, the same code
+eagerly on CPU) against transformers' own forward and generate."""
+
+import random
+
+import pytest
+import torch
+
+from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
+from dsv4_mtp_hf.generation import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache
+from dsv4_mtp_hf.generation.binding import _cache_kwarg
+
+from .helpers import draw_until_clear, tiny_pair
+
+TOL = 3e-5  # float32, as the batched attention's tests (the same arithmetic in another summation order)
+SEED = 2026
+
+
+def ids_of(seed, n, vocab=320, device="cpu"):
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def forward_both(target, graphs, steps, seed, K=3):
+    """Feeds the same chunks to transformers' forward (rollback cache) and to the graphed one, with
+    random crops of up to K rows after each chunk; yields both logits per chunk."""
+    rng = random.Random(seed)
+    ref_cache, cache = RollbackDeepseekV4Cache(target.config, max_rollback=K), graphs.new_cache(K)
+    dev, name = target.lm_head.weight.device, _cache_kwarg(target)
+    for i, n in enumerate(steps):
+        chunk = ids_of(seed * 100 + i, n, target.config.vocab_size, dev)
+        want = type(target).forward(target, chunk, use_cache=True, **{name: ref_cache}).logits
+        got = target(chunk, use_cache=True, **{name: cache}).logits
+        yield i, n, want, got
+        if i:  # not the prompt: reject 0 .. n - 1 of the chunk's rows, as a verify would
+            drop = rng.randint(0, min(n - 1, K))
+            ref_cache.crop(-drop)
+            cache.crop(-drop)
+        assert cache.get_seq_length() == ref_cache.get_seq_length()
+
+
+@pytest.mark.tf_internals
+def test_graphed_forward_equals_transformers_through_steps_and_crops():
+    def attempt(seed, margins):
+        target, _ = tiny_pair(seed=seed % 1000, target_overrides=dict(index_n_heads=32))
+        margins.watch(target)
+        graphs = graph_target(target, max_length=200, max_rollback=3)
+        rng = random.Random(seed)
+        steps = [rng.randint(2, 20)] + [rng.randint(1, 4) for _ in range(40)] + [9]
+        worst = 0.0
+        for i, n, want, got in forward_both(target, graphs, steps, seed):
+            assert got.shape == want.shape
+            diff = (got - want).abs().max().item()
+            assert diff < TOL, f"seed={seed} chunk {i} of {n} rows: max |graphed - transformers| = {diff:.3g}"
+            worst = max(worst, diff)
+        print(f"seed={seed}: worst |diff| {worst:.3g}")
+
+    draw_until_clear(attempt)
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 3])
+def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(k):
+    print(f"seed={SEED + k}")
+    target, mtp = tiny_pair(seed=SEED + k)
+    ids = ids_of(SEED + k, 11)
+    kw = dict(max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    plain = target.generate(ids, **kw)
+    graph_target(target, max_length=128)
+    assert torch.equal(target.generate(ids, **kw), plain)
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw), plain)
+    assert mtp.last_generation_stats.rounds > 0
+    # the graphed state is what served the calls
+    assert target._dsv4_target_graphs.sequence.get_seq_length() > 80
+
+
+@pytest.mark.tf_internals
+def test_ungraph_and_unbind_restore_the_target_in_either_order():
+    target, mtp = tiny_pair(seed=SEED)
+    ids = ids_of(SEED, 7)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    plain = target.generate(ids, **kw)
+    graph_target(target, max_length=64)
+    mtp.unbind()
+    assert "forward" in target.__dict__ and "generate" in target.__dict__  # still graphed
+    assert torch.equal(target.generate(ids, **kw), plain)
+    mtp.bind(target)
+    ungraph_target(target)
+    assert "forward" not in target.__dict__ and "generate" in target.__dict__  # still bound
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=2, **kw), plain)
+    mtp.unbind()
+    assert not {"forward", "generate", "_get_candidate_generator"} & set(target.__dict__)
+
+
+@pytest.mark.tf_internals
+def test_graphed_target_errors_name_the_problem():
+    target, mtp = tiny_pair(seed=SEED)
+    graphs = graph_target(target, max_length=24, max_rollback=2)
+    with pytest.raises(ValueError, match="already graphed"):
+        graph_target(target)
+    with pytest.raises(ValueError, match="capacity=24"):
+        target.generate(ids_of(1, 10), max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="max_rollback=3"):
+        target.generate(ids_of(1, 5), max_new_tokens=4, assistant_model=mtp, num_assistant_tokens=3)
+    cache = graphs.new_cache()
+    with pytest.raises(ValueError, match="one sequence"):
+        target(ids_of(1, 4).repeat(2, 1), past_key_values=cache)
+    with pytest.raises(ValueError, match="all ones"):
+        target(ids_of(1, 4), past_key_values=cache, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="does not return hidden_states"):
+        target(ids_of(1, 4), past_key_values=cache, output_hidden_states=True)
+    target(ids_of(1, 4), past_key_values=cache)
+    target(ids_of(2, 3), past_key_values=cache)
+    with pytest.raises(CacheRollbackError):
+        cache.crop(1)  # 7 tokens back to 1: more than max_rollback=2
+    newer = graphs.new_cache()
+    with pytest.raises(RuntimeError, match="superseded"):
+        cache.get_seq_length()
+    assert isinstance(newer, GraphedTargetCache) and newer.get_seq_length() == 0
+    ungraph_target(target)
+    with pytest.raises(ValueError, match="not graphed"):
+        ungraph_target(target)
+    with pytest.raises(TypeError, match="DeepseekV4ForCausalLM"):
+        graph_target(mtp)
+    with pytest.raises(ValueError, match="max_length"):
+        graph_target(target, max_length=0)
+
+
+GPU_SIZES = dict(hidden_size=256, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4)
+
+
+def _gpu_target(seed):
+    target, mtp = tiny_pair(seed=seed, target_overrides=GPU_SIZES)
+    target, mtp = target.to("cuda", torch.bfloat16), mtp.to("cuda")
+    mtp.bind(target)
+    pack_fp4_experts(target)  # capturable experts (tiled by the Triton FP4 MoE)
+    return target, mtp
+
+
+def _graphed_logits(target, steps, seed, use_graphs, K=3):
+    graphs = graph_target(target, max_length=256, max_rollback=K)
+    graphs.use_graphs = use_graphs
+    try:
+        return [got.float() for _, _, _, got in forward_both(target, graphs, steps, seed, K)], graphs
+    finally:
+        ungraph_target(target)
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_the_same_step_run_eagerly_on_cuda():
+    """The replays read the indices planned for each forward (nothing baked in at capture): through
+    49 forwards of 1-4 rows with random crops they give what the same fixed-shape code gives eagerly.
+    (Against transformers' bf16 forward the step differs by bf16 noise, and a router or indexer
+    choice near a tie can flip on random weights, so that comparison is the float32 CPU test's.)"""
+    print(f"seed={SEED}")
+    target, _ = _gpu_target(SEED)
+    rng = random.Random(SEED)
+    steps = [13] + [rng.randint(1, 4) for _ in range(48)]
+    replayed, graphs = _graphed_logits(target, steps, SEED, use_graphs=True)
+    assert set(graphs._graphs) == {1, 2, 3, 4}  # every decode shape was captured and replayed
+    eager, _ = _graphed_logits(target, steps, SEED, use_graphs=False)
+    for i, (a, b) in enumerate(zip(replayed, eager)):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-3, f"forward {i} ({steps[i]} rows): replayed vs eager relative difference {rel:.3g}"
+
+
+@pytest.mark.gpu
+def test_assisted_generate_on_the_graphed_cuda_target_equals_its_plain_generate():
+    print(f"seed={SEED + 1}")
+    target, mtp = _gpu_target(SEED + 1)
+    graphs = graph_target(target, max_length=256)
+    ids = ids_of(SEED + 1, 9, device="cuda")
+    kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    plain = target.generate(ids, **kw)
+    assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)
+    assert torch.equal(assisted, plain)
+    assert {1, 4} <= set(graphs._graphs)  # plain steps and 4-row verifies replayed graphs
