@@ -136,8 +136,8 @@ def _gpu_target(seed):
     return target, mtp
 
 
-def _graphed_logits(target, steps, seed, use_graphs, K=3):
-    graphs = graph_target(target, max_length=256, max_rollback=K)
+def _graphed_logits(target, steps, seed, use_graphs, compile, K=3):
+    graphs = graph_target(target, max_length=256, max_rollback=K, compile=compile)
     graphs.use_graphs = use_graphs
     try:
         return [got.float() for _, _, _, got in forward_both(target, graphs, steps, seed, K)], graphs
@@ -146,18 +146,20 @@ def _graphed_logits(target, steps, seed, use_graphs, K=3):
 
 
 @pytest.mark.gpu
-def test_graph_replays_equal_the_same_step_run_eagerly_on_cuda():
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
+def test_graph_replays_equal_the_same_step_run_eagerly_on_cuda(compile):
     """The replays read the indices planned for each forward (nothing baked in at capture): through
-    49 forwards of 1-4 rows with random crops they give what the same fixed-shape code gives eagerly.
+    49 forwards of 1-4 rows with random crops they give what the same fixed-shape step gives without
+    the graph (compiled or not, as captured).
     (Against transformers' bf16 forward the step differs by bf16 noise, and a router or indexer
     choice near a tie can flip on random weights, so that comparison is the float32 CPU test's.)"""
     print(f"seed={SEED}")
     target, _ = _gpu_target(SEED)
     rng = random.Random(SEED)
     steps = [13] + [rng.randint(1, 4) for _ in range(48)]
-    replayed, graphs = _graphed_logits(target, steps, SEED, use_graphs=True)
-    assert set(graphs._graphs) == {1, 2, 3, 4}  # every decode shape was captured and replayed
-    eager, _ = _graphed_logits(target, steps, SEED, use_graphs=False)
+    replayed, graphs = _graphed_logits(target, steps, SEED, True, compile)
+    assert set(graphs._graphs) == {1, 2, 3, 4} and graphs.compiled == compile  # every decode shape replayed
+    eager, _ = _graphed_logits(target, steps, SEED, False, compile)
     for i, (a, b) in enumerate(zip(replayed, eager)):
         rel = float((a - b).norm() / b.norm())
         assert rel < 1e-3, f"forward {i} ({steps[i]} rows): replayed vs eager relative difference {rel:.3g}"
@@ -168,7 +170,7 @@ def test_assisted_generate_on_the_graphed_cuda_target_equals_its_plain_generate(
     print(f"seed={SEED + 1}")
     target, mtp = _gpu_target(SEED + 1)
     graphs = graph_target(target, max_length=256)
-    ids = ids_of(SEED + 1, 9, device="cuda")
+    ids = ids_of(SEED + 1, 4, device="cuda")  # a prompt no longer than a verify: still the eager prefill
     kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
     plain = target.generate(ids, **kw)
     assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)

@@ -327,8 +327,10 @@ class BatchedTargetState:
         """``attn``: the layer's ``DeepseekV4Attention``; ``x``: its input ``[1, N, D]`` (the chunks of
         ``plan`` flattened); ``position_embeddings``: ``{"main", "compress"}`` cos/sin of the flat
         positions.  Returns what ``attn`` returns for each sequence alone, flattened: ``[1, N, D]``."""
-        layer = self.layers[layer_idx]
-        t = plan.on(x.device)
+        return self.attend_layer(self.layers[layer_idx], attn, x, position_embeddings, plan, plan.on(x.device))
+
+    def attend_layer(self, layer: "_LayerState", attn, x, position_embeddings: dict, plan: _Plan, t: dict):
+        """:meth:`attend` on one layer's state, with the plan's index tensors ``t`` on ``x``'s device."""
         b, S, N = plan.b, plan.S, plan.N
         cos, sin = position_embeddings[attn.rope_layer_type]
 

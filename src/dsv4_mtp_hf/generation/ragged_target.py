@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from ..ops.hyper_connection import hc_pre
 from .batched_attention import BatchedSequence, BatchedTargetState
 from .target_cache import RollbackDeepseekV4Cache
 
@@ -170,13 +171,18 @@ class RaggedTargetForward:
                 a += p.numel()
         return torch.cat([r for rs in per_chunk for r in rs])
 
+    def _mhc(self, hc, streams: torch.Tensor):
+        """transformers' ``DeepseekV4HyperConnection(streams)`` -- the same math (SPEC §3: an RMS-scaled
+        mix GEMV, sigmoids, Sinkhorn, the collapse) -- through ``dsv4_mtp::hc_pre``: two kernels on CUDA
+        where transformers' module launches ~120 (its Sinkhorn alone is 20 x 6).  -> (collapsed, post, comb)."""
+        return hc_pre(streams, hc.fn, hc.base, hc.scale, hc.hc_sinkhorn_iters, hc.hc_eps, self.config.rms_norm_eps)
+
     def _layers(self, ids, positions, embeds, attend) -> torch.Tensor:
         """transformers' ``DeepseekV4DecoderLayer.forward`` over the flat rows, with the attention
         delegated to ``attend(layer_idx, self_attn, x, position_embeddings, on)``.  Returns the
         residual ``[N, hc_mult, D]``."""
-        model, cfg = self.model, self.config
-        pe = {k: model.rotary_emb(embeds, position_ids=positions, layer_type=k) for k in ("main", "compress")}
-        hidden = embeds.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        model = self.model
+        pe, hidden = self.streams_in(embeds, positions)
         moved: dict = {}
 
         for idx, layer in enumerate(model.layers):
@@ -190,14 +196,26 @@ class RaggedTargetForward:
                     moved[key] = t.to(dev)
                 return moved[key]
 
-            hidden = hidden.to(dev)
-            dtype = hidden.dtype
-            post, comb, collapsed = layer.attn_hc(hidden)
-            x = layer.input_layernorm(collapsed)
             pe_dev = {k: (on(cos), on(sin)) for k, (cos, sin) in pe.items()}
-            attn = attend(idx, layer.self_attn, x, pe_dev, on)
-            hidden = post.to(dtype).unsqueeze(-1) * attn.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
-            post, comb, collapsed = layer.ffn_hc(hidden)
-            mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=on(ids))
-            hidden = post.to(dtype).unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+
+            def attend_here(attn, x, pe, idx=idx, on=on):
+                return attend(idx, attn, x, pe, on)
+
+            hidden = self.block(layer, hidden.to(dev), on(ids), pe_dev, attend_here)
         return hidden[0]  # [N, hc, D]: the MTP's input
+
+    def streams_in(self, embeds, positions):
+        """RoPE tables of the rows (``{"main", "compress"}``) and the embeddings as ``hc_mult`` streams."""
+        pe = {k: self.model.rotary_emb(embeds, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+        return pe, embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+
+    def block(self, layer, hidden, ids, pe, attend) -> torch.Tensor:
+        """One ``DeepseekV4DecoderLayer`` on the streams ``hidden [1, N, hc, D]``, with the attention
+        delegated to ``attend(self_attn, x, position_embeddings)``."""
+        dtype = hidden.dtype
+        collapsed, post, comb = self._mhc(layer.attn_hc, hidden)
+        attn = attend(layer.self_attn, layer.input_layernorm(collapsed), pe)
+        hidden = post.to(dtype).unsqueeze(-1) * attn.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+        collapsed, post, comb = self._mhc(layer.ffn_hc, hidden)
+        mlp = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=ids)
+        return post.to(dtype).unsqueeze(-1) * mlp.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)

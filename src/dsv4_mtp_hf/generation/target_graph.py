@@ -13,6 +13,10 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   every layer replay one CUDA graph per ``n``, captured the first time ``n`` occurs (that
   first forward runs eagerly and is the warm-up).  The forward's indices are planned on the
   host from the length alone and copied into the graph's static buffer: no host sync;
+* on CUDA each layer is first compiled (``torch.compile``, one layer at a time: layers of one
+  kind and one ``n`` share the compiled code, so compiling does not grow with the depth).
+  Inductor fuses the norms, RoPE, masks and index arithmetic that make an eager layer ~270
+  kernels; our custom ops (mHC, FP4 MoE) stay opaque;
 * ``hc_head``, ``norm`` and ``lm_head`` run eagerly after the replay, so forward hooks on them
   (the MTP's residual hook) see every forward.  Longer forwards (the prompt) run the same
   fixed-shape code eagerly, in chunks.
@@ -77,12 +81,22 @@ class _Graph:
         self.graph = self.out = None
 
 
+def _graph_block(runner, layer, lstate, hidden, ids, pe, state, plan, t):
+    """One decoder layer of a fixed-shape step: the ragged forward's layer arithmetic with the batched
+    attention on this layer's state (module level, so ``torch.compile`` reuses it across layers)."""
+
+    def attend(attn, x, pe):
+        return state.attend_layer(lstate, attn, x, pe, plan, t)
+
+    return runner.block(layer, hidden, ids, pe, attend)
+
+
 class TargetGraphs:
     """A DeepSeek-V4 target's fixed-shape decode state and its CUDA graphs (see the module
     docstring).  Made by :func:`graph_target`; ``forward`` serves the target's ``forward`` when
     it is called with a :class:`GraphedTargetCache`."""
 
-    def __init__(self, target, max_length: int, max_rollback: int):
+    def __init__(self, target, max_length: int, max_rollback: int, compile: bool = True):
         if getattr(getattr(target, "config", None), "model_type", None) != "deepseek_v4" or not hasattr(target, "model"):
             raise TypeError(f"graph_target needs a transformers DeepseekV4ForCausalLM, got {type(target).__name__}.")
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
@@ -100,6 +114,8 @@ class TargetGraphs:
         self.sequence = self.state.sequences()[0]
         self.max_length, self.max_rows = max_length, max_rollback + 1
         self.use_graphs = self.device.type == "cuda"
+        self.compiled = compile and self.use_graphs
+        self._block = torch.compile(_graph_block, dynamic=False) if self.compiled else _graph_block
         self._graphs: dict[int, _Graph] = {}
         self._epoch = 0
 
@@ -133,9 +149,10 @@ class TargetGraphs:
         past, n = cache.get_seq_length(), input_ids.shape[1]
         self._check_inputs(attention_mask, position_ids, past, n)
         ids = input_ids.to(self.device)
-        if self.use_graphs and n <= self.max_rows:
-            residual = self._replay(ids, n)
-        else:
+        if n <= self.max_rows and past > 0:
+            residual = self._fixed_step(ids, n)
+        else:  # the prompt: the same fixed-shape layers, eagerly, in chunks.  It also allocates the state's
+            # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
             residual = self.runner._batched([ids[0]], [self.sequence], [n])
         model = self.target.model
         h = model.norm(model.hc_head(residual.unsqueeze(0)))  # eager: hooks on hc_head see every forward
@@ -160,44 +177,53 @@ class TargetGraphs:
     def _step(self, plan, g: _Graph) -> torch.Tensor:
         """Embedding and every layer for the rows of ``plan``, reading ``g``'s static inputs."""
         t = plan.use(g.flat)  # the derived masks are computed here, inside the graph
-        model, state = self.target.model, self.state
+        model, state, runner = self.target.model, self.state, self.runner
+        pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
+        for layer, lstate in zip(model.layers, state.layers):
+            hidden = self._block(runner, layer, lstate, hidden, g.ids, pe, state, plan, t)
+        return hidden[0]
 
-        def attend(layer_idx, attn, x, pe, on):
-            return state.attend(layer_idx, attn, x, pe, plan)
-
-        return self.runner._layers(g.ids, t["flat_pos"], model.embed_tokens(g.ids), attend)
-
-    def _replay(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+    def _fixed_step(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """A forward of ``n <= max_rows`` rows: a graph replay, or (first time, or on CPU) the step itself."""
         plan = self.state.plan([0], [n])
         flat = plan.host_flat()
-        g = self._graphs.get(n)
-        if g is None:
-            g = _Graph(n, flat.numel(), self.device)
+        g = (self.use_graphs and self._graphs.get(n)) or _Graph(n, flat.numel(), self.device)
         g.ids.copy_(ids)
         g.flat.copy_(flat)  # pageable source: the copy is staged before this returns, so `flat` may go
-        if g.graph is None:
-            out = self._step(plan, g)  # the real forward, and the capture's warm-up
-            self._capture(plan, g, n)
-            self._graphs[n] = g
-        else:
+        if g.graph is not None:
             g.graph.replay()
             out = g.out.clone()  # the next replay overwrites g.out; the MTP reads this residual later
+        else:
+            out = self._run(lambda: self._step(plan, g), n, "running")  # the real forward (and the warm-up)
+            if self.use_graphs:
+                self._capture(plan, g, n)
+                self._graphs[n] = g
         self.state.commit(plan)
         return out
+
+    def _run(self, fn, n: int, what: str):
+        # layers of one kind and one n share a compiled block: kinds x max_rows entries in Dynamo's cache
+        with torch._dynamo.config.patch(recompile_limit=max(64, 8 * self.max_rows)):
+            try:
+                return fn()
+            except Exception as e:
+                impl = getattr(self.target.config, "_experts_implementation", None)
+                raise RuntimeError(
+                    f"graph_target: {what} the target's {'compiled ' if self.compiled else ''}decode step of {n} rows "
+                    f"failed ({type(e).__name__}: {str(e)[:400]}). A captured layer must not sync with the host: the "
+                    f"experts implementation is {impl!r}, and pack_fp4_experts(target) or "
+                    "set_experts_implementation('grouped_mm') are capturable. graph_target(target, compile=False) "
+                    "captures the uncompiled step; ungraph_target(target) runs transformers' forward.") from e
 
     def _capture(self, plan, g: _Graph, n: int) -> None:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        try:
+
+        def capture():
             with torch.cuda.graph(graph):
                 g.out = self._step(plan, g)
-        except Exception as e:
-            impl = getattr(self.target.config, "_experts_implementation", None)
-            raise RuntimeError(
-                f"graph_target: capturing the target's decode step of {n} rows as a CUDA graph failed ({e}). "
-                f"Everything in a layer must be capturable (no host syncs): the experts implementation is {impl!r}; "
-                "pack_fp4_experts(target) or target.set_experts_implementation('grouped_mm') are. "
-                "Call ungraph_target(target) to run transformers' forward.") from e
+
+        self._run(capture, n, "capturing")
         g.graph = graph
 
 
@@ -207,17 +233,19 @@ def _cache_name(target) -> str:
     return _cache_kwarg(target)
 
 
-def graph_target(target, max_length: int = 4096, max_rollback: int = 8) -> TargetGraphs:
+def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile: bool = True) -> TargetGraphs:
     """Make ``target``'s decode steps replay as CUDA graphs (module docstring).
 
     ``max_length``: the most tokens (prompt + generated) one generation reaches; the state's
     buffers are sized for it.  ``max_rollback``: the most drafts an assisted round may verify.
+    ``compile``: compile each layer before capturing it (CUDA; the first steps of each row count
+    then take seconds to compile, once per process).
     Afterwards ``target.generate(...)`` (plain, or with ``assistant_model=mtp``) runs the graphed
     step; ``target(ids, past_key_values=graphs.new_cache())`` too.  ``ungraph_target`` undoes it.
     """
     if "_dsv4_target_graphs" in target.__dict__:
         raise ValueError("this target is already graphed; call ungraph_target(target) first to change max_length.")
-    graphs = TargetGraphs(target, max_length, max_rollback)
+    graphs = TargetGraphs(target, max_length, max_rollback, compile)
     from .binding import ensure_wrapped
 
     bound = type(target).forward.__get__(target)
