@@ -36,6 +36,7 @@ a given shape replay as a CUDA graph (:mod:`.target_graph`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
@@ -49,56 +50,58 @@ _HCA = "heavily_compressed_attention"
 _CSA = "compressed_sparse_attention"
 
 
-def _excl_cumsum(t: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(t, 0) - t
+def _excl_cumsum(t: np.ndarray) -> np.ndarray:
+    return np.cumsum(t) - t
 
 
-def _ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sequence of each item, index of the item within its sequence) for ``counts[i]`` items of sequence ``i``."""
-    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    return seq, torch.arange(seq.numel()) - _excl_cumsum(counts)[seq]
+    seq = np.repeat(np.arange(counts.size), counts)
+    return seq, np.arange(seq.size) - _excl_cumsum(counts)[seq]
 
 
 class _Plan:
-    """Host-side index tensors of one forward (all int64 on CPU), copied once per device."""
+    """Host-side index arrays of one forward (int64, computed with NumPy: a few dozen tiny array ops, which
+    cost ~1 µs each there and several µs as CPU torch ops -- this runs before every graphed step), copied
+    once per device."""
 
     def __init__(self, slots, lengths, chunk_lengths, window, max_rollback, streams, capacity=None):
         b = len(slots)
         self.slots = list(slots)
-        self.L = L = torch.tensor(lengths, dtype=torch.long)
-        self.n = n = torch.tensor(chunk_lengths, dtype=torch.long)
+        self.L = L = np.asarray(lengths, dtype=np.int64)
+        self.n = n = np.asarray(chunk_lengths, dtype=np.int64)
         self.end = end = L + n
         self.b, self.S, self.N = b, int(n.max()), int(n.sum())
         self.window = window
         off = _excl_cumsum(n)
-        t = {"rows": torch.tensor(slots, dtype=torch.long)}
-        j = torch.arange(self.S)
+        t = {"rows": np.asarray(slots, dtype=np.int64)}
+        j = np.arange(self.S)
         t["pos"] = L[:, None] + j  # [b, S] (rows past a chunk's end are padding)
-        t["pad_idx"] = off[:, None] + torch.minimum(j, n[:, None] - 1)  # flat token of (i, j), clamped
+        t["pad_idx"] = off[:, None] + np.minimum(j, n[:, None] - 1)  # flat token of (i, j), clamped
         seq, k = _ragged_arange(n)
         t["unpad_idx"] = seq * self.S + k  # padded row of each flat token
-        t["flat_pos"] = (L[seq] + k).unsqueeze(0)  # [1, N]
+        t["flat_pos"] = (L[seq] + k)[None]  # [1, N]
         t["end"] = end
 
-        def src(P: torch.Tensor, R: int) -> torch.Tensor:
+        def src(P: np.ndarray, R: int) -> np.ndarray:
             # Index of absolute position P of each sequence in cat(ring[rows].flatten(0, 1), new_rows):
             # positions before L come from the ring, the others from this forward's rows.
-            shape = (b,) + (1,) * (P.dim() - 1)
-            Lb, ob = L.view(shape), off.view(shape)
-            ring = torch.arange(b).view(shape) * R + P.remainder(R)
+            shape = (b,) + (1,) * (P.ndim - 1)
+            Lb, ob = L.reshape(shape), off.reshape(shape)
+            ring = np.arange(b).reshape(shape) * R + P % R
             new = b * R + ob + (P - Lb)
-            return torch.where(P < Lb, ring, new).clamp(0, b * R + self.N - 1)
+            return np.clip(np.where(P < Lb, ring, new), 0, b * R + self.N - 1)
 
         def ring_writes(prefix: str, R: int) -> None:
             # The last min(n, R) rows of each chunk go to slot pos % R (no duplicate slots).
-            c = n.clamp(max=R)
+            c = np.minimum(n, R)
             s, k = _ragged_arange(c)
             P = end[s] - c[s] + k
             t[prefix + "w_row"], t[prefix + "w_slot"], t[prefix + "w_src"] = t["rows"][s], P % R, off[s] + P - L[s]
 
         # sliding window: the W - 1 positions before each chunk, then the chunk
         self.ring = max(1, window - 1 + max_rollback)
-        t["kpos"] = L[:, None] - (window - 1) + torch.arange(window - 1 + self.S)
+        t["kpos"] = L[:, None] - (window - 1) + np.arange(window - 1 + self.S)
         t["ksrc"] = src(t["kpos"], self.ring)
         ring_writes("s_", self.ring)
 
@@ -112,19 +115,19 @@ class _Plan:
             # fixed shapes: as many windows as a chunk of S tokens can close, the rest to the spare entry
             NW = int(nw.max()) if capacity is None else (rate - 1 + self.S) // rate
             if NW:
-                first = w0[:, None] + torch.arange(NW)  # [b, NW] entry index of each closing window
-                P = (first * rate)[:, :, None] + torch.arange(rate)  # [b, NW, rate] its source positions
+                first = w0[:, None] + np.arange(NW)  # [b, NW] entry index of each closing window
+                P = (first * rate)[:, :, None] + np.arange(rate)  # [b, NW, rate] its source positions
                 t[p + "win"] = src(P, R)
                 if overlap:  # the previous window's rows (its Ca half joins this entry)
                     t[p + "prev"] = src(P - rate, R)
-                    t[p + "has_prev"] = (first >= 1).long()
+                    t[p + "has_prev"] = (first >= 1).astype(np.int64)
                 t[p + "epos"] = first * rate  # RoPE position of each entry
                 if capacity is None:
                     s, k = _ragged_arange(nw)
                     e_idx = w0[s] + k
                 else:
-                    s, k = torch.arange(b).repeat_interleave(NW), torch.arange(NW).repeat(b)
-                    e_idx = torch.where(k < nw[s], w0[s] + k, capacity // rate)  # spare entry
+                    s, k = np.repeat(np.arange(b), NW), np.tile(np.arange(NW), b)
+                    e_idx = np.where(k < nw[s], w0[s] + k, capacity // rate)  # spare entry
                 t[p + "e_row"], t[p + "e_idx"], t[p + "e_src"] = t["rows"][s], e_idx, s * NW + k
             ring_writes(p, R)
             T = int((end // rate).max()) if capacity is None else capacity // rate
@@ -133,8 +136,8 @@ class _Plan:
         self._dev: dict = {}
 
     def host_flat(self) -> torch.Tensor:
-        """Every index tensor in one flat int64 CPU tensor (the layout :meth:`use` reads)."""
-        return torch.cat([v.reshape(-1) for v in self._host.values()])
+        """Every index array in one flat int64 CPU tensor (the layout :meth:`use` reads)."""
+        return torch.from_numpy(np.concatenate([v.reshape(-1) for v in self._host.values()]).astype(np.int64))
 
     def on(self, dev: torch.device) -> dict:
         """The index tensors (and the masks derived from them) on ``dev``: one copy per device."""
@@ -151,13 +154,13 @@ class _Plan:
     def use(self, flat: torch.Tensor) -> dict:
         """The index tensors as views of ``flat`` (laid out as :meth:`host_flat`, on any device; a
         CUDA graph's static buffer), plus the masks derived from them, for the forwards on its device."""
-        if flat.numel() != sum(v.numel() for v in self._host.values()):
+        if flat.numel() != sum(v.size for v in self._host.values()):
             raise ValueError(f"plan buffer holds {flat.numel()} indices, this plan needs "
-                             f"{sum(v.numel() for v in self._host.values())}.")
+                             f"{sum(v.size for v in self._host.values())}.")
         t, i = {}, 0
         for k, v in self._host.items():
-            t[k] = flat[i : i + v.numel()].view(v.shape)
-            i += v.numel()
+            t[k] = flat[i : i + v.size].view(v.shape)
+            i += v.size
         pos, kpos = t["pos"][:, :, None], t["kpos"][:, None, :]
         # sliding: a query at p sees the keys p - W + 1 .. p that exist (transformers' sliding mask)
         t["k_ok"] = (kpos >= 0) & (kpos < t["end"][:, None, None]) & (kpos <= pos) & (pos - kpos < self.window)
