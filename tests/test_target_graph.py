@@ -74,6 +74,20 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
 
 
 @pytest.mark.tf_internals
+def test_beams_and_batches_on_a_graphed_target_run_transformers_forward():
+    """The graphed step runs one sequence; anything else is transformers' own generate, unchanged."""
+    target, _ = tiny_pair(seed=SEED)
+    ids = ids_of(SEED, 7)
+    batch = torch.cat([ids, ids_of(SEED + 1, 7)])
+    kw = dict(max_new_tokens=6, do_sample=False)
+    want = [target.generate(ids, num_beams=2, **kw), target.generate(batch, **kw)]
+    graphs = graph_target(target, max_length=64)
+    got = [target.generate(ids, num_beams=2, **kw), target.generate(batch, **kw)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert graphs._epoch == 0  # no graphed cache was made for them
+
+
+@pytest.mark.tf_internals
 def test_ungraph_and_unbind_restore_the_target_in_either_order():
     target, mtp = tiny_pair(seed=SEED)
     ids = ids_of(SEED, 7)

@@ -55,6 +55,16 @@ def _input_ids(args, kwargs):
     return None
 
 
+def _one_sequence(target, args, kwargs) -> bool:
+    """A cached generation of exactly one sequence (what a graphed target's step runs); batches, beams
+    and several returned sequences run transformers' own forward."""
+    ids = _input_ids(args, kwargs)
+    config = kwargs.get("generation_config") or target.generation_config
+    one = {k: kwargs.get(k, getattr(config, k, None)) for k in ("num_beams", "num_return_sequences", "use_cache")}
+    return (ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and (one["num_beams"] or 1) == 1
+            and (one["num_return_sequences"] or 1) == 1 and one["use_cache"] is not False)
+
+
 def _cache_kwarg(target) -> str:
     """transformers >= 5.24 calls the cache `cache`; 5.17 calls it `past_key_values`."""
     return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
@@ -89,9 +99,7 @@ def ensure_wrapped(target) -> None:
                 )
             return _assisted_generate(assistant, target, cls_generate, args, kwargs)
         graphs = target.__dict__.get("_dsv4_target_graphs")
-        ids = _input_ids(args, kwargs)
-        if (graphs is not None and assistant is None and kwargs.get("use_cache", True) is not False
-                and ids is not None and ids.shape[0] == 1):  # the graphed step runs one sequence; batches: transformers'
+        if graphs is not None and assistant is None and _one_sequence(target, args, kwargs):
             name = _cache_kwarg(target)
             if kwargs.get(name) is None and kwargs.get("past_key_values") is None:
                 kwargs[name] = graphs.new_cache()  # plain generate on the graphed step

@@ -203,7 +203,9 @@ class TargetGraphs:
 
     def _run(self, fn, n: int, what: str):
         # layers of one kind and one n share a compiled block: kinds x max_rows entries in Dynamo's cache
-        with torch._dynamo.config.patch(recompile_limit=max(64, 8 * self.max_rows)):
+        dynamo = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        with dynamo.patch(**{limit: max(64, 8 * self.max_rows)}):
             try:
                 return fn()
             except Exception as e:
