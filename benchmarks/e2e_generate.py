@@ -21,6 +21,7 @@ rest of the round's wall time), without the first draft round's one-off MTP pass
 layers (V4-Flash: 43) is extrapolated linearly in the layer count -- labelled as a projection.
 
     python benchmarks/e2e_generate.py --out $OUT                 # 2 and 5 layers, one H200
+    python benchmarks/e2e_generate.py --fp4-experts --graph-target --layers 5 --batches ""   # the fast target
     python benchmarks/e2e_generate.py --tiny --layers 2          # smoke run (CPU or GPU)
 """
 
