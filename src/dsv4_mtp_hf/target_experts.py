@@ -119,7 +119,15 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         experts.fp4 = packed
         del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    model.save_pretrained = _refuse_save  # per instance: the packed experts would not load back (not yet)
     return model
+
+
+def _refuse_save(*args, **kwargs):
+    raise NotImplementedError(
+        "save_pretrained of a model with packed FP4 experts is not supported yet: transformers' from_pretrained "
+        "would not load the packed experts back. Save the model before pack_fp4_experts, or keep the release and "
+        "call pack_fp4_experts(target, release) after loading it.")
 
 
 def expert_bytes(model) -> int:
