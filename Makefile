@@ -53,6 +53,7 @@ bench:
 	$(PYTHON) benchmarks/draft_step.py --out $(OUT)
 	$(PYTHON) benchmarks/target_step.py --out $(OUT)
 	$(PYTHON) benchmarks/e2e_generate.py --out $(OUT)
+	$(PYTHON) benchmarks/e2e_generate.py --fp4-experts --graph-target --layers 2,5 --batches "" --out $(OUT)/fast
 
 clean:
 	rm -rf $(VENV) $(VENV517) build *.egg-info src/*.egg-info

@@ -336,6 +336,7 @@ def main():
             del target, mtp, ctl
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "e2e_generate.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1, default=str)
     report(rows, checks, args.project)
