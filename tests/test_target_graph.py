@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
-from dsv4_mtp_hf.generation import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache
+from dsv4_mtp_hf.generation import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, mtp_decoding
 from dsv4_mtp_hf.generation.binding import _cache_kwarg
 
 from .helpers import draw_until_clear, tiny_pair
@@ -75,14 +75,16 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
 
 @pytest.mark.tf_internals
 def test_beams_and_batches_on_a_graphed_target_run_transformers_forward():
-    """The graphed step runs one sequence; anything else is transformers' own generate, unchanged."""
-    target, _ = tiny_pair(seed=SEED)
+    """The graphed step runs one sequence in transformers' loop; anything else is unchanged."""
+    target, mtp = tiny_pair(seed=SEED)
     ids = ids_of(SEED, 7)
     batch = torch.cat([ids, ids_of(SEED + 1, 7)])
     kw = dict(max_new_tokens=6, do_sample=False)
-    want = [target.generate(ids, num_beams=2, **kw), target.generate(batch, **kw)]
+    runs = (lambda: target.generate(ids, num_beams=2, **kw), lambda: target.generate(batch, **kw),
+            lambda: target.generate(ids, custom_generate=mtp_decoding, mtp=mtp, **kw))
+    want = [run() for run in runs]
     graphs = graph_target(target, max_length=64)
-    got = [target.generate(ids, num_beams=2, **kw), target.generate(batch, **kw)]
+    got = [run() for run in runs]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert graphs._epoch == 0  # no graphed cache was made for them
 

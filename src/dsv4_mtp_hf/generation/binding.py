@@ -56,8 +56,10 @@ def _input_ids(args, kwargs):
 
 
 def _one_sequence(target, args, kwargs) -> bool:
-    """A cached generation of exactly one sequence (what a graphed target's step runs); batches, beams
-    and several returned sequences run transformers' own forward."""
+    """A cached generation of exactly one sequence by transformers' own loop (what a graphed target's step
+    runs); batches, beams, several returned sequences and custom decoding loops keep their own caches."""
+    if kwargs.get("custom_generate") is not None:
+        return False
     ids = _input_ids(args, kwargs)
     config = kwargs.get("generation_config") or target.generation_config
     one = {k: kwargs.get(k, getattr(config, k, None)) for k in ("num_beams", "num_return_sequences", "use_cache")}
