@@ -113,8 +113,13 @@ def test_graphed_target_errors_name_the_problem():
     graphs = graph_target(target, max_length=24, max_rollback=2)
     with pytest.raises(ValueError, match="already graphed"):
         graph_target(target)
-    with pytest.raises(ValueError, match="capacity=24"):
+    with pytest.raises(ValueError, match="may reach 30 tokens.*max_length=24"):  # before any work
         target.generate(ids_of(1, 10), max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="may reach 25 tokens"):
+        target.generate(ids_of(1, 5), max_length=25, assistant_model=mtp, num_assistant_tokens=2)
+    cache = graphs.new_cache()
+    with pytest.raises(ValueError, match="capacity=24"):  # a forward past it, called directly
+        target(ids_of(1, 25), past_key_values=cache)
     with pytest.raises(ValueError, match="max_rollback=3"):
         target.generate(ids_of(1, 5), max_new_tokens=4, assistant_model=mtp, num_assistant_tokens=3)
     cache = graphs.new_cache()

@@ -67,6 +67,15 @@ def _one_sequence(target, args, kwargs) -> bool:
             and (one["num_return_sequences"] or 1) == 1 and one["use_cache"] is not False)
 
 
+def _final_length(target, args, kwargs) -> int:
+    """The most tokens the call may reach (prompt + ``max_new_tokens``, else ``max_length``)."""
+    config = kwargs.get("generation_config") or target.generation_config
+    new = kwargs.get("max_new_tokens", None if "max_length" in kwargs else config.max_new_tokens)
+    if new is not None:
+        return _input_ids(args, kwargs).shape[1] + int(new)
+    return int(kwargs.get("max_length", config.max_length))
+
+
 def _cache_kwarg(target) -> str:
     """transformers >= 5.24 calls the cache `cache`; 5.17 calls it `past_key_values`."""
     return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
@@ -104,6 +113,7 @@ def ensure_wrapped(target) -> None:
         if graphs is not None and assistant is None and _one_sequence(target, args, kwargs):
             name = _cache_kwarg(target)
             if kwargs.get(name) is None and kwargs.get("past_key_values") is None:
+                graphs.check_length(_final_length(target, args, kwargs))
                 kwargs[name] = graphs.new_cache()  # plain generate on the graphed step
         return cls_generate(target, *args, **kwargs)
 
@@ -162,8 +172,11 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
     cache = kwargs.pop(name, None)
     cache = kwargs.pop(other, None) if cache is None else cache
     graphs = target.__dict__.get("_dsv4_target_graphs")
-    if cache is None:
-        cache = graphs.new_cache(k) if graphs is not None else RollbackDeepseekV4Cache(target.config, max_rollback=k)
+    if cache is None and graphs is not None:
+        graphs.check_length(_final_length(target, args, kwargs))
+        cache = graphs.new_cache(k)
+    elif cache is None:
+        cache = RollbackDeepseekV4Cache(target.config, max_rollback=k)
     elif not isinstance(cache, (RollbackDeepseekV4Cache, GraphedTargetCache)) or cache.max_rollback < k:
         raise ValueError(
             "MTP speculative decoding needs a target cache that rolls back compressed-attention state: pass no "

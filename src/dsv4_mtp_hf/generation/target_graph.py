@@ -119,6 +119,13 @@ class TargetGraphs:
         self._graphs: dict[int, _Graph] = {}
         self._epoch = 0
 
+    def check_length(self, tokens: int) -> None:
+        """Before a generation: it may reach ``tokens`` tokens (prompt + new ones); the state holds ``max_length``."""
+        if tokens > self.max_length:
+            raise ValueError(f"this generation may reach {tokens} tokens, the graphed target holds "
+                             f"max_length={self.max_length}: call ungraph_target(target) and "
+                             f"graph_target(target, max_length={tokens}), or ask for fewer new tokens.")
+
     def new_cache(self, max_rollback: int = 0) -> GraphedTargetCache:
         """A cache for one generation (rolls back up to ``max_rollback`` tokens); resets the state."""
         if max_rollback > self.state.max_rollback:
