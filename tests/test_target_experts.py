@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import fp4, pack_fp4_experts
 from dsv4_mtp_hf.loading import MtpCheckpointError
-from dsv4_mtp_hf.target_experts import expert_bytes
+from dsv4_mtp_hf.target_experts import DeepseekV4PackedExpertsForCausalLM, expert_bytes
 
 from .helpers import randomize_, tiny_pair, tiny_target_config
 from .test_loading import packed_expert_tensors
@@ -51,14 +51,20 @@ def set_dense(target, experts: dict, fmt: str) -> None:
         ex.down_proj.copy_(fp4.dequantize_fp4(w2, s2, fmt, g2))
 
 
-def write_release(path, config, experts: dict, layout: str, skip=None, config_extra=None):
-    tensors = {"embed.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}
-    i = config.moe_intermediate_size
+def release_expert_tensors(experts: dict, inter: int, layout: str) -> dict:
+    """Every routed expert matrix of ``experts`` under the release's names, in ``layout``."""
+    tensors = {}
     for layer, (w13, s13, g13, w2, s2, g2) in experts.items():
         for e in range(w13.shape[0]):
-            for m, p, s, gl in (("w1", w13[e, :i], s13[e, :i], g13[e, 0]), ("w3", w13[e, i:], s13[e, i:], g13[e, 1]),
-                                ("w2", w2[e], s2[e], g2[e])):
+            for m, p, s, gl in (("w1", w13[e, :inter], s13[e, :inter], g13[e, 0]),
+                                ("w3", w13[e, inter:], s13[e, inter:], g13[e, 1]), ("w2", w2[e], s2[e], g2[e])):
                 tensors.update(packed_expert_tensors(f"layers.{layer}.ffn.experts.{e}.{m}", p, s, gl, layout))
+    return tensors
+
+
+def write_release(path, config, experts: dict, layout: str, skip=None, config_extra=None):
+    tensors = {"embed.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+               **release_expert_tensors(experts, config.moe_intermediate_size, layout)}
     if skip:
         tensors.pop(skip)
     path.mkdir(parents=True, exist_ok=True)
@@ -122,6 +128,55 @@ def test_packing_in_memory_mxfp4_experts_is_exact_and_assisted_generate_stays_eq
     assert torch.equal(plain, plain_dense)
     assert torch.equal(assisted, plain)
     assert mtp.last_generation_stats.rounds > 0
+
+
+def whole_release(path, target, experts: dict, layout: str):
+    """``target`` saved by transformers under the release's names (no ``model.`` prefix), its routed experts
+    in ``layout`` ("dense": the bf16 tensors transformers writes, holding the packed values)."""
+    target.save_pretrained(path)
+    tensors = {k.removeprefix("model."): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    if layout != "dense":
+        tensors = {k: v for k, v in tensors.items() if ".ffn.experts." not in k}
+        tensors.update(release_expert_tensors(experts, target.config.moe_intermediate_size, layout))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("layout", ["dense", *sorted(FORMAT)])
+def test_loading_a_release_packed_never_builds_bf16_experts(tmp_path, layout):
+    """`DeepseekV4PackedExpertsForCausalLM.from_pretrained`: transformers' loader for everything but the
+    routed experts, which are read packed from the release; the model equals transformers' dense target."""
+    print(f"seed={SEED}")
+    fmt = FORMAT.get(layout, "mxfp4")
+    target, mtp = tiny_pair(seed=SEED)
+    experts = packed_experts(target.config, fmt, SEED)
+    set_dense(target, experts, fmt)
+    want = logits(target)
+    release = whole_release(tmp_path / layout, target, experts, layout)
+    model = DeepseekV4PackedExpertsForCausalLM.from_pretrained(release).eval()
+    dense = [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert not dense  # never allocated
+    assert model.config._experts_implementation == "dsv4_fp4"
+    assert model.model.layers[1].mlp.experts.fp4.format.name == fmt
+    assert expert_bytes(model) < expert_bytes(target) / 3
+    torch.testing.assert_close(logits(model), want, rtol=1e-4, atol=1e-4)
+    mtp.bind(model)
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=mtp), plain)
+    with pytest.raises(NotImplementedError, match="before pack_fp4_experts"):
+        model.save_pretrained(tmp_path / "again")
+
+
+def test_loading_packed_names_a_release_without_experts_or_another_model(tmp_path):
+    target, mtp = tiny_pair(seed=SEED)
+    release = whole_release(tmp_path / "r", target, {}, "native_fp8_mxfp4")  # every expert tensor dropped
+    with pytest.raises(MtpCheckpointError, match="holds no routed experts"):
+        DeepseekV4PackedExpertsForCausalLM.from_pretrained(release)
+    mtp.save_pretrained(tmp_path / "mtp")
+    with pytest.raises(TypeError, match="not a DeepSeek-V4 release"):
+        DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "mtp")
 
 
 def test_saving_a_packed_target_says_it_is_not_supported(tmp_path):

@@ -7,11 +7,11 @@ from .configuration import DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
 from .generation.target_graph import graph_target, ungraph_target
 from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
-from .target_experts import pack_fp4_experts
+from .target_experts import DeepseekV4PackedExpertsForCausalLM, pack_fp4_experts
 
 AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)
 AutoModelForCausalLM.register(DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, exist_ok=True)
 
-__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
+__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
            "graph_target", "pack_fp4_experts", "ungraph_target"]
 __version__ = "0.1.0"

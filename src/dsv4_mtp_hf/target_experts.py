@@ -18,6 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from transformers import DeepseekV4ForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from . import fp4
@@ -128,6 +129,61 @@ def _refuse_save(*args, **kwargs):
         "save_pretrained of a model with packed FP4 experts is not supported yet: transformers' from_pretrained "
         "would not load the packed experts back. Save the model before pack_fp4_experts, or keep the release and "
         "call pack_fp4_experts(target, release) after loading it.")
+
+
+class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
+    """transformers' ``DeepseekV4ForCausalLM`` whose routed experts are packed FP4 from the start:
+    ``from_pretrained(release, ...)`` never allocates their bf16 copies (~570 GB at V4-Flash size).
+
+    Each experts module holds an :class:`~dsv4_mtp_hf.layers.moe.FP4Experts` (``experts.fp4``) instead of
+    ``gate_up_proj`` / ``down_proj``, so transformers' loader skips the release's expert tensors, sizes a
+    ``device_map`` with the packed bytes, and allocates those at their packed size on each layer's device;
+    then the release's experts are read into them as stored (:class:`ReleaseExperts`, the same reader as
+    :func:`pack_fp4_experts`).  Everything else is transformers' own model and loading."""
+
+    # the expert tensors the release holds (read by us) and the packed buffers it does not (filled by us)
+    _keys_to_ignore_on_load_unexpected = [*(DeepseekV4ForCausalLM._keys_to_ignore_on_load_unexpected or []),
+                                          r"\.experts\.(gate_up_proj|down_proj)$", r"\.experts\.\d+\.w[123]\."]
+    _keys_to_ignore_on_load_missing = [r"\.experts\.fp4\."]
+
+    def __init__(self, config):
+        super().__init__(config)
+        fmt = getattr(config, "_dsv4_expert_format", None) or "mxfp4"
+        for _, experts in _experts_modules(self):
+            device = experts.gate_up_proj.device
+            del experts.gate_up_proj, experts.down_proj
+            experts.fp4 = _packed_module(config, fmt, device)
+        self.config._experts_implementation = EXPERTS_IMPLEMENTATION
+
+    def _init_weights(self, module):
+        if isinstance(module, FP4Experts) or hasattr(module, "fp4"):
+            return  # filled from the release after loading
+        super()._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, release, *args, expert_format: str | None = None, **kwargs):
+        """``release``: a DeepSeek-V4 release (Hub id or folder) in the layouts :func:`pack_fp4_experts`
+        reads; the other arguments are ``from_pretrained``'s (``dtype``, ``device_map``, ...)."""
+        from transformers import AutoConfig
+
+        from .loading.target_experts import ReleaseExperts
+
+        hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+        config = kwargs.pop("config", None) or AutoConfig.from_pretrained(release, **hub)
+        if getattr(config, "model_type", None) != "deepseek_v4":
+            raise TypeError(f"{release} is not a DeepSeek-V4 release (model_type {config.model_type!r}).")
+        reader = ReleaseExperts(release, config.num_hidden_layers, config.n_routed_experts, config.hidden_size,
+                                config.moe_intermediate_size, expert_format, hub)
+        config._dsv4_expert_format = reader.format
+        kwargs.pop("experts_implementation", None)
+        model = super().from_pretrained(release, *args, config=config, **kwargs)
+        for i, experts in _experts_modules(model):
+            if experts.fp4.w13_weight.device.type == "meta":
+                raise ValueError(f"layer {i}'s experts were offloaded (meta device): load with a device_map of GPUs "
+                                 "and the CPU only.")
+            reader.fill(i, experts.fp4)
+        model.save_pretrained = _refuse_save
+        return model
 
 
 def expert_bytes(model) -> int:
