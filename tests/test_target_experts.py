@@ -169,6 +169,39 @@ def test_loading_a_release_packed_never_builds_bf16_experts(tmp_path, layout):
         model.save_pretrained(tmp_path / "again")
 
 
+FP8_WEIGHTS = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_b.weight",
+               ".shared_experts.w1.weight", ".shared_experts.w2.weight", ".shared_experts.w3.weight")
+
+
+@pytest.mark.tf_internals
+def test_loading_packed_a_native_release_with_fp8_weights_equals_transformers_own_load(tmp_path):
+    """The native layout whole: FP8 e4m3 projections with E8M0 block scales under the release's
+    `quantization_config` (on CPU transformers' FP8 quantizer dequantises them), MXFP4 experts.  The oracle is
+    transformers' own `from_pretrained` of the same files, experts widened to dense."""
+    print(f"seed={SEED}")
+    target, _ = tiny_pair(seed=SEED)
+    experts = packed_experts(target.config, "mxfp4", SEED)
+    set_dense(target, experts, "mxfp4")  # so that the FP8 projections are the only difference from `target`
+    release = whole_release(tmp_path / "native", target, experts, "native_fp8_mxfp4")
+    tensors = load_file(str(release / "model.safetensors"))
+    for k in [k for k in tensors if k.endswith(FP8_WEIGHTS)]:
+        w = tensors[k]
+        tensors[k] = w.float().to(torch.float8_e4m3fn)
+        blocks = ((w.shape[0] + 127) // 128, (w.shape[1] + 127) // 128)
+        tensors[k.removesuffix("weight") + "scale"] = torch.randint(125, 129, blocks, dtype=torch.uint8).view(
+            torch.float8_e8m0fnu)
+    save_file(tensors, str(release / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((release / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (release / "config.json").write_text(json.dumps(config))
+    want = logits(DeepseekV4ForCausalLM.from_pretrained(release))
+    model = DeepseekV4PackedExpertsForCausalLM.from_pretrained(release)
+    assert not [n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    torch.testing.assert_close(logits(model), want, rtol=1e-4, atol=1e-4)
+    assert (logits(model) - logits(target)).abs().max() > 1e-3  # the FP8 rounding and scales are in effect
+
+
 def test_loading_packed_names_a_release_without_experts_or_another_model(tmp_path):
     target, mtp = tiny_pair(seed=SEED)
     release = whole_release(tmp_path / "r", target, {}, "native_fp8_mxfp4")  # every expert tensor dropped
