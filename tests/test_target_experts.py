@@ -210,6 +210,9 @@ def test_loading_packed_names_a_release_without_experts_or_another_model(tmp_pat
     mtp.save_pretrained(tmp_path / "mtp")
     with pytest.raises(TypeError, match="not a DeepSeek-V4 release"):
         DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "mtp")
+    release = whole_release(tmp_path / "ok", target, packed_experts(target.config, "mxfp4", SEED), "native_fp8_mxfp4")
+    with pytest.raises(ValueError, match="experts_implementation='dsv4_fp4'"):
+        DeepseekV4PackedExpertsForCausalLM.from_pretrained(release, experts_implementation="grouped_mm")
 
 
 def test_saving_a_packed_target_says_it_is_not_supported(tmp_path):

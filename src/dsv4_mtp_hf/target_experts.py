@@ -175,13 +175,17 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
         reader = ReleaseExperts(release, config.num_hidden_layers, config.n_routed_experts, config.hidden_size,
                                 config.moe_intermediate_size, expert_format, hub)
         config._dsv4_expert_format = reader.format
-        kwargs.pop("experts_implementation", None)
+        impl = kwargs.pop("experts_implementation", EXPERTS_IMPLEMENTATION)
+        if impl != EXPERTS_IMPLEMENTATION:
+            raise ValueError(f"packed experts run as experts_implementation={EXPERTS_IMPLEMENTATION!r}, not {impl!r}; "
+                             "load with transformers' DeepseekV4ForCausalLM for its own implementations.")
         model = super().from_pretrained(release, *args, config=config, **kwargs)
         for i, experts in _experts_modules(model):
             if experts.fp4.w13_weight.device.type == "meta":
                 raise ValueError(f"layer {i}'s experts were offloaded (meta device): load with a device_map of GPUs "
                                  "and the CPU only.")
             reader.fill(i, experts.fp4)
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # whatever default loading picked
         model.save_pretrained = _refuse_save
         return model
 
