@@ -176,3 +176,23 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def generate_recording_candidates(target, mtp, ids, **kwargs):
+    """``target.generate(ids, assistant_model=mtp, **kwargs)`` and the candidate generator it made (to
+    inspect its drafter): ``(output, generator)``."""
+    from dsv4_mtp_hf.generation import MtpCandidateGenerator
+
+    made = []
+
+    class Recording(MtpCandidateGenerator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    mtp.candidate_generator_class = Recording
+    try:
+        out = target.generate(ids, assistant_model=mtp, **kwargs)
+    finally:
+        mtp.candidate_generator_class = None
+    return out, made[-1]

@@ -6,7 +6,7 @@ import torch
 from dsv4_mtp_hf.generation import draft_length as dl
 from dsv4_mtp_hf.generation.draft_length import AutoDraftLength
 
-from .helpers import tiny_pair
+from .helpers import generate_recording_candidates, tiny_pair
 from .test_generation import PROMPT_LEN, OracleDrafts, prompt
 
 
@@ -99,26 +99,13 @@ def test_auto_k_bad_values_are_named():
 
 @pytest.mark.gpu
 def test_auto_k_on_cuda_replays_the_round_graphs_and_stays_exact():
-    from dsv4_mtp_hf.generation import MtpCandidateGenerator
-
-    made = []
-
-    class Recording(MtpCandidateGenerator):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
     target, mtp = tiny_pair(seed=42, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
     target, mtp = target.cuda(), mtp.cuda()
     ids = prompt(42).cuda()
     kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    mtp.candidate_generator_class = Recording
-    try:
-        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens="auto", **kw)
-    finally:
-        mtp.candidate_generator_class = None
+    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens="auto", **kw)
     assert torch.equal(got, plain)
-    d = made[-1].drafter
+    d = generator.drafter
     assert d is not None and d.use_graph and d.round_graphs and d.num_drafts == dl.AUTO_MAX_DRAFTS - 1
     assert len(mtp.last_generation_stats.draft_lengths) == mtp.last_generation_stats.rounds

@@ -6,7 +6,7 @@ import torch
 from dsv4_mtp_hf import DeepseekV4MtpForCausalLM
 from dsv4_mtp_hf.generation import MtpCandidateGenerator, RollbackDeepseekV4Cache
 
-from .helpers import tiny_pair
+from .helpers import generate_recording_candidates, tiny_pair
 
 # Layers mix sliding, CSA (rate 4) and HCA (rate 8) attention with an 8-token window:
 # 200 new tokens cross dozens of window and compression boundaries.
@@ -388,29 +388,18 @@ def test_the_paged_drafter_is_kept_across_generate_calls():
 
 @pytest.mark.gpu
 def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
-    made = []
-
-    class Recording(MtpCandidateGenerator):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
     sizes = dict(hidden_size=256, moe_intermediate_size=256)  # tiled by the Triton FP4 MoE: graph-capturable
     target, mtp = tiny_pair(seed=14, target_overrides=sizes)
     target, mtp = target.cuda(), mtp.cuda()
     ids = prompt(14).cuda()
     kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    mtp.candidate_generator_class = Recording
-    try:
-        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)
-    finally:
-        mtp.candidate_generator_class = None
+    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens=3, **kw)
     assert torch.equal(got, plain)
-    d = made[-1].drafter
+    d = generator.drafter
     assert d is not None and d.use_graph and d.round_graphs  # whole rounds replayed as graphs
     assert set(d.round_graphs) <= set(range(1, d.max_round_rows + 1))
-    assert made[-1].drafter.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
+    assert generator.drafter.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
 
 
 def test_long_prompt_mtp_prefill_in_blocks_is_exact():
