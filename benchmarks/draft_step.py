@@ -12,6 +12,7 @@ reference paths.  CUDA events after warm-up, median of --iters runs.
 
     python benchmarks/draft_step.py            # V4-Flash shapes, needs ~20 GB of GPU memory
     python benchmarks/draft_step.py --only-compiled --profile   # the compiled rows + a per-node timeline
+    python benchmarks/draft_step.py --rounds   # whole greedy rounds at K=3, as generate replays them
     python benchmarks/draft_step.py --tiny     # a CPU/GPU smoke run of the script itself
 """
 
@@ -377,7 +378,6 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
                 results[label] = time_ms(replay, args.iters)
                 floors[label] = floor_of(bsz, k)
                 if fused and bsz == 16:
-                    state = gen.get_state()
                     checks[label + ", single steps"] = teacher_forced_check(mtp, drafter.step, paged, lengths, gen, rounds=16)
                 if args.profile and bsz == 1 and k == 1:
                     profile_replay(replay, args.out, name="compiled" + ("" if fused else "_no_fused_kernels") + f"_{attn}")
@@ -391,6 +391,35 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
             checks[label] = f"FAILED {type(err).__name__}: {err}"[:300]
         finally:
             mtp.config.attention_backend = "reference"
+
+
+def measure_rounds(mtp, args, gen, results, checks, floors, floor_of) -> None:
+    """Whole greedy rounds as generate runs them at K=3 (``GraphedDrafter.round``, compiled, one graph per
+    row count): the catch-up of the n rows the target verified last round, the first draft, then two
+    recursive drafts; n = 1 (every draft rejected) to 4 (every draft accepted).  Checked: replay == the
+    round's own eager run."""
+    c, dev = mtp.config, mtp.e_proj.weight.device
+    mtp.config.attention_backend = "reference"
+    paged, _, _, lengths = prefilled_paged_cache(mtp, 1, args.context, gen)
+    ids = torch.randint(0, c.vocab_size, (1, 4), device=dev)
+    hs = torch.randn(1, 4, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    drafter = GraphedDrafter(mtp, paged, num_drafts=2, draft_vocab=True, compile=True)
+    for n in (1, 2, 3, 4):
+        label = f"ours: whole round (catch-up of {n} rows + K=3 drafts), compiled + CUDA graph"
+
+        def replay():
+            paged.seq_lengths.copy_(lengths)
+            return drafter.round(ids[:, :n], hs[:, :n])
+
+        got_d, got_l = (t.clone() for t in replay())
+        paged.seq_lengths.copy_(lengths)
+        own_d, own_l = drafter.run_round_eager(n)
+        checks[label] = (f"replay == own eager run: {bool(torch.equal(got_d, own_d) and torch.equal(got_l, own_l))}"
+                         + (f"; compile + capture of the first round {time.perf_counter() - t0:.0f} s" if n == 1 else ""))
+        results[label] = time_ms(replay, args.iters)
+        results[label + ", back to back"] = time_back_to_back(replay, args.iters)
+        floors[label] = floors[label + ", back to back"] = floor_of(1, 3)
 
 
 def measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of, results, checks, floors):
@@ -493,6 +522,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="print the kernels of one graphed batch-1 K=1 replay")
     p.add_argument("--quick", action="store_true",
                    help="the compiled batch-1 K=1 step only, back to back")
+    p.add_argument("--rounds", action="store_true",
+                   help="only whole greedy rounds (catch-up of 1..4 verified rows + K=3 drafts), as generate runs them")
     p.add_argument("--only-compiled", action="store_true",
                    help="skip the uncompiled graphs; compiled batch 1 K=1 and batch 16 K=3 only (a quick run)")
     args = p.parse_args()
@@ -525,7 +556,9 @@ def main():
     rel, same_argmax = float("nan"), None
     floor_of = lambda bsz, k: k * (dense + min(bsz * c.num_experts_per_tok, c.n_routed_experts) * per_expert + head) / bw * 1e3  # noqa: E731
     with torch.no_grad():
-        if args.quick:
+        if args.rounds:
+            measure_rounds(mtp, args, gen, results, checks, floors, floor_of)
+        elif args.quick:
             measure_compiled(mtp, args, gen, floor_of, results, checks, floors)
         else:
             rel, same_argmax = measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of, results,

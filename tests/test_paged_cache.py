@@ -181,12 +181,13 @@ def test_round_is_the_catch_up_forward_then_the_draft_steps():
 
 
 @pytest.mark.gpu
-def test_round_graphs_replay_their_eager_rounds_on_cuda():
+@pytest.mark.parametrize("compile", [False, True], ids=["uncompiled", "compiled"])
+def test_round_graphs_replay_their_eager_rounds_on_cuda(compile):
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
     lengths = paged.seq_lengths.clone()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=2)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=2, compile=compile)
     for rows in (3, 1, 3):  # a graph per row count, the first one replayed again
         paged.seq_lengths.copy_(lengths)
         drafter.round_ids[:, :rows].copy_(ids[:, :rows])
