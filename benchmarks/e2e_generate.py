@@ -57,6 +57,11 @@ def successor(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return (tokens * 7919 + 13) % (vocab - 3) + 3
 
 
+def wrong(token, vocab: int):
+    """A token that is not ``token`` (a rejected draft)."""
+    return (token + 1 - 3) % (vocab - 3) + 3
+
+
 def chain(last: int, n: int, vocab: int) -> list[int]:
     out, t = [], last
     for _ in range(n):
@@ -134,7 +139,16 @@ class Controlled:
     def controlled(self, last: int, k: int) -> list[int]:
         truth = chain(last, k, self.vocab)
         n = self.correct_count(k)
-        return [t if i < n else (t + 1 - 3) % (self.vocab - 3) + 3 for i, t in enumerate(truth)]
+        return [t if i < n else wrong(t, self.vocab) for i, t in enumerate(truth)]
+
+    def controlled_on_device(self, last: torch.Tensor, k: int) -> torch.Tensor:
+        """:meth:`controlled` from the last token ``[1, 1]`` where it lies, with no host read or upload: the
+        benchmark must not add a synchronisation to the round that a user's call does not have."""
+        n, t, out = self.correct_count(k), last, []
+        for i in range(k):
+            t = successor(t, self.vocab)
+            out.append(t if i < n else wrong(t, self.vocab))
+        return torch.cat(out, dim=1)
 
     def close(self):
         for h in self._hooks:
@@ -154,8 +168,7 @@ def make_generator_class(ctl: Controlled):
                 ctl.events.append(("mtp", a, b))
             n = seq.shape[1] - input_ids.shape[1]
             if n:
-                drafts = ctl.controlled(int(input_ids[0, -1]), n)
-                seq = torch.cat([input_ids, torch.tensor([drafts], device=seq.device)], dim=1)
+                seq = torch.cat([input_ids, ctl.controlled_on_device(input_ids[:, -1:], n).to(seq.device)], dim=1)
             return seq, logits
     return ControlledCandidates
 

@@ -106,6 +106,44 @@ def test_eos_inside_accepted_drafts_ends_generation_like_plain():
     assert int(got[0, -1]) == eos and got.shape[1] < PROMPT_LEN + 60
 
 
+class OracleRounds(MtpCandidateGenerator):
+    """The graphed-round path (run eagerly on CPU) with the target's true greedy continuation as its drafts:
+    every draft is accepted, so a draft EOS is followed by drafts the target would accept too."""
+
+    fast_drafts = "eager"
+    truth: torch.Tensor = None
+    eos: int = -1
+    eos_mid_round: int = 0  # rounds whose drafts continue past an EOS
+
+    def _round_result(self, input_ids, tokens, logits):
+        at = input_ids.shape[1]
+        truth = self.truth[:, at : at + tokens.shape[1]]
+        tokens = torch.cat([truth, tokens[:, truth.shape[1]:]], dim=1).to(tokens.device)
+        OracleRounds.eos_mid_round += int(self.eos in tokens[0, : self.round_limit - 1].tolist())
+        return super()._round_result(input_ids, tokens, logits)
+
+
+@pytest.mark.tf_internals
+def test_eos_inside_a_graphed_round_ends_generation_like_plain():
+    """The round's drafts reach the host only where the verifier does not cut at EOS itself (transformers 5.17):
+    either way the accepted tokens end at the first EOS, as plain greedy does."""
+    target, mtp = tiny_pair(seed=3)
+    ids = prompt(3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    eos = int(plain[0, PROMPT_LEN + 25])  # with every draft accepted (K=3), a round's first draft lands here
+    want = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=eos)
+    OracleRounds.truth, OracleRounds.eos, OracleRounds.eos_mid_round = plain, eos, 0
+    mtp.candidate_generator_class = OracleRounds
+    try:
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=60, do_sample=False,
+                              eos_token_id=eos)
+    finally:
+        mtp.candidate_generator_class = None
+    assert OracleRounds.eos_mid_round >= 1  # the case under test happened
+    assert torch.equal(got, want)
+    assert int(got[0, -1]) == eos and got.shape[1] < PROMPT_LEN + 60
+
+
 @pytest.mark.tf_internals
 def test_max_new_tokens_and_stopping_criteria_are_respected():
     from transformers import StoppingCriteria, StoppingCriteriaList

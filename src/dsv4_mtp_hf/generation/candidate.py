@@ -23,10 +23,15 @@ probability is never drafted.
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..ops.argmax import argmax_last
 from .draft_length import AutoDraftLength
+
+# transformers >= 5.18 cuts a round's accepted tokens at the first EOS itself (`_assisted_decoding`). 5.17 does
+# not, so there the drafts after an EOS are dropped here, which needs the drafts on the host.
+VERIFIER_CUTS_AT_EOS = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
 
 
 class MtpCandidateGenerator(CandidateGenerator):
@@ -233,9 +238,12 @@ class MtpCandidateGenerator(CandidateGenerator):
 
     def _round_result(self, input_ids, tokens, logits):
         """The round's candidates from its greedy drafts ``[1, K]``: the first ``round_limit`` of them, up to
-        an EOS (the rows of the dropped drafts are rolled back next round)."""
-        ids = tokens[0, : self.round_limit].tolist()  # one host read for the whole round
-        keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
+        an EOS (the rows of the dropped drafts are rolled back next round).  No host read where the verifier
+        cuts at EOS itself: the host goes on to the verify while the GPU still drafts."""
+        keep = min(self.round_limit, tokens.shape[1])
+        if self.eos_token_ids and not VERIFIER_CUTS_AT_EOS:
+            ids = tokens[0, :keep].tolist()  # one host read for the whole round
+            keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
         self.last_drafted = keep
         return torch.cat([input_ids, tokens[:, :keep].to(input_ids.device)], dim=1), logits[:, :keep]
 

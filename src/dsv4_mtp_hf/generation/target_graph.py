@@ -12,7 +12,8 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
 * for ``n <= max_rollback + 1`` (a plain step, or a verify of ``K`` drafts) the embedding and
   every layer replay one CUDA graph per ``n``, captured the first time ``n`` occurs (that
   first forward runs eagerly and is the warm-up).  The forward's indices are planned on the
-  host from the length alone and copied into the graph's static buffer: no host sync;
+  host from the length alone and copied (from pinned memory) into the graph's static buffer:
+  no host sync, so the host plans the verify while the GPU still runs the MTP's round;
 * on CUDA each layer is first compiled (``torch.compile``, one layer at a time: layers of one
   kind and one ``n`` share the compiled code, so compiling does not grow with the depth).
   Inductor fuses the norms, RoPE, masks and index arithmetic that make an eager layer ~270
@@ -79,6 +80,20 @@ class _Graph:
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.flat = torch.zeros(plan_size, dtype=torch.long, device=device)
         self.graph = self.out = None
+        # The plan goes up through pinned memory, asynchronously: a copy from pageable memory waits for
+        # the whole stream (the MTP's round still running, say), a pinned one is queued behind it.
+        cuda = device.type == "cuda"
+        self.staging = torch.zeros(plan_size, dtype=torch.long, pin_memory=cuda)
+        self.staged = torch.cuda.Event() if cuda else None  # the last upload has read `staging`
+
+    def upload(self, flat: torch.Tensor) -> None:
+        if self.staged is None:
+            self.flat.copy_(flat)
+            return
+        self.staged.synchronize()  # the previous upload is long done (a round syncs once): no wait in practice
+        self.staging.copy_(flat)
+        self.flat.copy_(self.staging, non_blocking=True)
+        self.staged.record(torch.cuda.current_stream(self.flat.device))
 
 
 def _graph_block(runner, layer, lstate, hidden, ids, pe, state, plan, t):
@@ -196,7 +211,7 @@ class TargetGraphs:
         flat = plan.host_flat()
         g = (self.use_graphs and self._graphs.get(n)) or _Graph(n, flat.numel(), self.device)
         g.ids.copy_(ids)
-        g.flat.copy_(flat)  # pageable source: the copy is staged before this returns, so `flat` may go
+        g.upload(flat)
         if g.graph is not None:
             g.graph.replay()
             out = g.out.clone()  # the next replay overwrites g.out; the MTP reads this residual later
