@@ -22,6 +22,8 @@ layers (V4-Flash: 43) is extrapolated linearly in the layer count -- labelled as
 
     python benchmarks/e2e_generate.py --out $OUT                 # 2 and 5 layers, one H200
     python benchmarks/e2e_generate.py --fp4-experts --graph-target --layers 5 --batches ""   # the fast target
+    python benchmarks/e2e_generate.py --fp4-experts --graph-target --layers 5 --ks 3 --profiles deepseek \
+        --batches "" --host-profile                              # + where the round's wall time goes
     python benchmarks/e2e_generate.py --tiny --layers 2          # smoke run (CPU or GPU)
 """
 
@@ -239,6 +241,67 @@ def assisted_cases(target, mtp, ctl, args, rows, checks, label):
         mtp.candidate_generator_class = None
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def host_profile(target, mtp, ctl, args, label, out_dir) -> list[str]:
+    """Where a round's wall time goes: one plain and one assisted call (the first K, the first profile) under
+    torch.profiler.  Per call: the GPU's busy share of the wall time (the union of its kernels and copies) and,
+    per step or round, the host's blocking CUDA calls (syncs, blocking copies) and the time spent in them.
+    The full operator tables go to ``out_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = target.get_input_embeddings().weight.device
+    prompt = torch.randint(3, ctl.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(SEED)).to(dev)
+    n, k = args.new_tokens, args.ks[0]
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ctl.profile = PROFILES[args.profiles[0]]
+    calls = [("plain", lambda: target.generate(prompt, **kw)),
+             (f"K={k} {args.profiles[0]}", lambda: target.generate(prompt, assistant_model=mtp, num_assistant_tokens=k, **kw))]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    lines = []
+    mtp.candidate_generator_class = make_generator_class(ctl)
+    try:
+        for name, call in calls:
+            ctl.rng = random.Random(SEED)
+            call()
+            sync()
+            with profile(activities=activities) as prof:
+                call()
+                sync()
+            events = prof.events()
+            steps = n if name == "plain" else max(1, mtp.last_generation_stats.rounds)
+            host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+            wall = max(e.time_range.end for e in host) - min(e.time_range.start for e in host)
+            gpu = [(e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+            blocking = [e for e in host if e.name.startswith(SYNC_CALLS) and "Async" not in e.name]
+            lines.append(f"{label}, {name}: wall {wall / 1e3:.1f} ms over {steps} {'steps' if name == 'plain' else 'rounds'}"
+                         f" ({wall / 1e3 / steps:.2f} ms each); GPU busy "
+                         + (f"{busy_us(gpu) / wall:.0%}" if gpu else "n/a (no CUDA)")
+                         + f"; per {'step' if name == 'plain' else 'round'}: {len(blocking) / steps:.1f} blocking CUDA calls, "
+                         f"{sum(e.cpu_time_total for e in blocking) / 1e3 / steps:.2f} ms in them")
+            if out_dir:
+                os.makedirs(out_dir, exist_ok=True)
+                kind = "plain" if name == "plain" else "assisted"  # names that come back from the device ([A-Za-z0-9._-])
+                path = os.path.join(out_dir, f"host_profile_{label.split(',')[0].replace(' ', '')}_{kind}.txt")
+                with open(path, "w") as f:
+                    f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+    finally:
+        mtp.candidate_generator_class = None
+    return lines
+
+
 def ragged_plain(target, prompts, n):
     """Per-sequence-exact plain greedy decoding of a batch: our ragged target forward, no drafts."""
     runner = RaggedTargetForward(target, attention="batched")
@@ -317,6 +380,9 @@ def main():
     p.add_argument("--graph-target", action="store_true",
                    help="the target's decode steps as CUDA graphs (graph_target; needs capturable experts: "
                         "with --fp4-experts)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also profile one plain and one assisted call (first K and profile): the GPU's busy share and "
+                        "the host's blocking CUDA calls per round")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--report", metavar="JSON", help="print the tables and projection of a saved run, measure nothing")
     args = p.parse_args()
@@ -329,7 +395,7 @@ def main():
     args.profiles = [x for x in args.profiles.split(",") if x]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     print(f"seed={SEED}", flush=True)
-    rows, checks = [], {}
+    rows, checks, profiles = [], {}, []
     for layers in [int(x) for x in args.layers.split(",")]:
         label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
             ", graphed" if args.graph_target else "")
@@ -342,6 +408,8 @@ def main():
             ctl = Controlled(target, mtp, target.config.vocab_size)
             try:
                 assisted_cases(target, mtp, ctl, args, rows, checks, label)
+                if args.host_profile:
+                    profiles.extend(host_profile(target, mtp, ctl, args, label, args.out))
                 if args.batches:
                     batched_cases(target, mtp, ctl, args, rows, checks, label)
             finally:
@@ -352,6 +420,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "e2e_generate.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1, default=str)
+    if profiles:
+        print("\n".join(["", "host profile (torch.profiler, one call each):"] + profiles))
     report(rows, checks, args.project)
 
 
