@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import speculative_generate
 
-from .helpers import tiny_pair
+from .helpers import generate_recording_candidates, tiny_pair
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the nvidia-h200-x2 machine)")
 
@@ -45,3 +46,32 @@ def test_split_target_greedy_assisted_and_batched_equal_plain():
     # Nothing was copied: the MTP reads the target's own embedding and head.
     assert mtp.get_input_embeddings() is target.get_input_embeddings()
     assert mtp.get_output_embeddings() is target.get_output_embeddings()
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_graphed_split_target_replays_per_device_segment_and_stays_exact():
+    """V4-Flash with packed experts needs two H200s. The embedding sits beside the lm head and the MTP on
+    cuda:1, so the MTP's rounds replay as graphs too; the target's step is three segment graphs (embedding
+    on 1, layers 0-1 on 0, layer 2 on 1) with the streams handed between the devices."""
+    from accelerate import dispatch_model
+
+    target, mtp = tiny_pair(seed=52, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
+    target = target.to(torch.bfloat16)
+    pack_fp4_experts(target)
+    device_map = {"model.embed_tokens": 1, "model.rotary_emb": 1, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": 1, "model.hc_head": 1, "model.norm": 1, "lm_head": 1}
+    target = dispatch_model(target, device_map=device_map)
+    mtp = mtp.to("cuda:1")
+    mtp.bind(target)
+    ids = torch.randint(3, 320, (1, 13), generator=torch.Generator().manual_seed(52)).to("cuda:1")
+    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    graphs = graph_target(target, max_length=128, max_rollback=3)
+    assert [(sg.device.index, sg.layers) for sg in graphs.segments] == [(1, []), (0, [0, 1]), (1, [2])]
+    assert torch.equal(target.generate(ids, **kw), plain)
+    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens=3, **kw)
+    assert torch.equal(got, plain)
+    assert generator.drafter is not None and generator.drafter.round_graphs  # the MTP's rounds graphed too
+    assert {1, 4} <= set(graphs._graphs) and all(len(gs) == 3 for gs in graphs._graphs.values())
+    ungraph_target(target)

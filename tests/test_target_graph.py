@@ -8,6 +8,7 @@ import torch
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, mtp_decoding
+from dsv4_mtp_hf.generation import target_graph
 from dsv4_mtp_hf.generation.binding import _cache_kwarg
 
 from .helpers import draw_until_clear, tiny_pair
@@ -71,6 +72,36 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assert mtp.last_generation_stats.rounds > 0
     # the graphed state is what served the calls
     assert target._dsv4_target_graphs.sequence.get_seq_length() > 80
+
+
+def in_three_segments(model):
+    """The embedding alone, layers 0-1, layer 2: the segments a device_map target with its embedding beside
+    the lm head gets (here all on one device, so the hand-offs between segments run on the CPU too)."""
+    dev = model.embed_tokens.weight.device
+    return [target_graph._Segment(dev, True, []), target_graph._Segment(dev, False, [0, 1]),
+            target_graph._Segment(dev, False, [2])]
+
+
+@pytest.mark.tf_internals
+def test_a_target_in_segments_computes_what_it_computes_whole(monkeypatch):
+    """Each segment reads the streams and RoPE tables the previous one wrote into its static inputs: through
+    forwards and crops the segmented step equals transformers' forward, and generate stays exact."""
+    monkeypatch.setattr(target_graph, "_segments", in_three_segments)
+    seed = SEED + 7
+    print(f"seed={seed}")
+    target, mtp = tiny_pair(seed=seed)
+    ids = ids_of(seed, 11)
+    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    plain = target.generate(ids, **kw)
+    graphs = graph_target(target, max_length=200, max_rollback=3)
+    assert [len(sg.layers) for sg in graphs.segments] == [0, 2, 1]
+    rng = random.Random(seed)
+    steps = [rng.randint(2, 20)] + [rng.randint(1, 4) for _ in range(20)]
+    for i, n, want, got in forward_both(target, graphs, steps, seed):
+        diff = (got - want).abs().max().item()
+        assert diff < TOL, f"seed={seed} chunk {i} of {n} rows: max |segmented - transformers| = {diff:.3g}"
+    assert torch.equal(target.generate(ids, **kw), plain)
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
 
 
 @pytest.mark.tf_internals
@@ -144,6 +175,9 @@ def test_graphed_target_errors_name_the_problem():
         graph_target(mtp)
     with pytest.raises(ValueError, match="max_length"):
         graph_target(target, max_length=0)
+    target.model.layers[2].to("meta")  # as an offloaded layer would be
+    with pytest.raises(ValueError, match="without offloading"):
+        graph_target(target)
 
 
 GPU_SIZES = dict(hidden_size=256, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4)
@@ -184,6 +218,23 @@ def test_graph_replays_equal_the_same_step_run_eagerly_on_cuda(compile):
     for i, (a, b) in enumerate(zip(replayed, eager)):
         rel = float((a - b).norm() / b.norm())
         assert rel < 1e-3, f"forward {i} ({steps[i]} rows): replayed vs eager relative difference {rel:.3g}"
+
+
+@pytest.mark.gpu
+def test_segment_graphs_replay_what_one_graph_replays_on_cuda(monkeypatch):
+    """One graph per segment and row count, the streams and RoPE tables handed on between replays: the
+    same logits as the whole step's graph (three segments on one GPU; two GPUs: tests/test_multi_gpu.py)."""
+    print(f"seed={SEED + 2}")
+    target, _ = _gpu_target(SEED + 2)
+    rng = random.Random(SEED + 2)
+    steps = [13] + [rng.randint(1, 4) for _ in range(24)]
+    whole, _ = _graphed_logits(target, steps, SEED + 2, True, True)
+    monkeypatch.setattr(target_graph, "_segments", in_three_segments)
+    parts, graphs = _graphed_logits(target, steps, SEED + 2, True, True)
+    assert all(len(gs) == 3 for gs in graphs._graphs.values()) and set(graphs._graphs) == {1, 2, 3, 4}
+    for i, (a, b) in enumerate(zip(parts, whole)):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-3, f"forward {i} ({steps[i]} rows): segments vs whole relative difference {rel:.3g}"
 
 
 @pytest.mark.gpu

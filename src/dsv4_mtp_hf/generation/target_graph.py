@@ -14,6 +14,8 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   first forward runs eagerly and is the warm-up).  The forward's indices are planned on the
   host from the length alone and copied (from pinned memory) into the graph's static buffer:
   no host sync, so the host plans the verify while the GPU still runs the MTP's round;
+* a target spread over GPUs by a ``device_map`` replays one graph per device segment
+  (:func:`_segments`), the streams and RoPE tables copied device to device between replays;
 * on CUDA each layer is first compiled (``torch.compile``, one layer at a time: layers of one
   kind and one ``n`` share the compiled code, so compiling does not grow with the depth).
   Inductor fuses the norms, RoPE, masks and index arithmetic that make an eager layer ~270
@@ -28,6 +30,7 @@ generation with the MTP works on top of it.  On CPU the same fixed-shape step ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -73,18 +76,51 @@ class GraphedTargetCache(Cache):
         return f"GraphedTargetCache(length={self.get_seq_length()}, max_rollback={self.max_rollback})"
 
 
-class _Graph:
-    """One captured step of ``n`` rows: static inputs (token ids, the plan's indices) and output."""
+class _Segment:
+    """Consecutive pieces of the target on one device: the embedding (first segment only) and ``layers``."""
 
-    def __init__(self, n: int, plan_size: int, device: torch.device):
+    def __init__(self, device: torch.device, embeds: bool, layers: list[int]):
+        self.device, self.embeds, self.layers = device, embeds, layers
+
+
+def _segments(model) -> list[_Segment]:
+    """The graphed step's segments: the embedding and the first layers on its device, then each run of
+    layers on one device (a ``device_map`` target).  One graph per segment and row count."""
+    segments = [_Segment(model.embed_tokens.weight.device, True, [])]
+    for idx, layer in enumerate(model.layers):
+        dev = next(layer.parameters()).device
+        if dev != segments[-1].device:
+            segments.append(_Segment(dev, False, []))
+        segments[-1].layers.append(idx)
+    return segments
+
+
+class _Graph:
+    """One captured step of ``n`` rows on one segment: static inputs (token ids, the plan's indices, and
+    after the first segment the streams and RoPE tables the previous one produced) and outputs."""
+
+    def __init__(self, n: int, plan_size: int, segment: _Segment, hidden_like=None, pe_like=None):
+        device = segment.device
+        self.segment = segment
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.flat = torch.zeros(plan_size, dtype=torch.long, device=device)
-        self.graph = self.out = None
+        self.hidden = None if hidden_like is None else torch.empty_like(hidden_like, device=device)
+        self.pe = None if pe_like is None else {k: tuple(torch.empty_like(t, device=device) for t in v)
+                                                for k, v in pe_like.items()}
+        self.graph = self.out = self.pe_out = None
         # The plan goes up through pinned memory, asynchronously: a copy from pageable memory waits for
         # the whole stream (the MTP's round still running, say), a pinned one is queued behind it.
         cuda = device.type == "cuda"
         self.staging = torch.zeros(plan_size, dtype=torch.long, pin_memory=cuda)
         self.staged = torch.cuda.Event() if cuda else None  # the last upload has read `staging`
+
+    def take(self, prev: "_Graph") -> None:
+        """The previous segment's outputs into this one's static inputs (a device-to-device copy: the
+        two devices' streams are ordered around it, the host does not wait)."""
+        self.hidden.copy_(prev.out)
+        for k, pair in self.pe.items():
+            for dst, src in zip(pair, prev.pe_out[k]):
+                dst.copy_(src)
 
     def upload(self, flat: torch.Tensor) -> None:
         if self.staged is None:
@@ -119,11 +155,16 @@ class TargetGraphs:
         if not isinstance(max_rollback, int) or isinstance(max_rollback, bool) or max_rollback < 0:
             raise ValueError(f"max_rollback must be an int >= 0 (the most drafts per round), got {max_rollback!r}.")
         devices = {p.device for p in target.parameters()} | {b.device for b in target.buffers()}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
-            raise ValueError(f"graph_target needs the whole target on one device; its tensors are on "
-                             f"{sorted(map(str, devices))}. Load it on one GPU (device_map={{'': 0}}), or leave it "
-                             "ungraphed (split targets run transformers' forward).")
-        self.target, self.device = target, next(iter(devices))
+        if len({d.type for d in devices}) != 1 or next(iter(devices)).type not in ("cuda", "cpu"):
+            raise ValueError(f"graph_target needs the target on GPUs (one, or several by a device_map), or wholly on "
+                             f"the CPU; its tensors are on {sorted(map(str, devices))}. Load it without offloading "
+                             "to the CPU or disk, or leave it ungraphed.")
+        self.segments = _segments(target.model)
+        self.target, self.device = target, self.segments[0].device
+        rope = {b.device for b in target.model.rotary_emb.buffers()}
+        if rope - {self.device}:
+            raise ValueError(f"graph_target computes RoPE beside the embedding: put model.rotary_emb on the "
+                             f"embedding's device ({self.device}) in the device_map, not on {sorted(map(str, rope))}.")
         self.runner = RaggedTargetForward(target, attention="batched")
         self.state = BatchedTargetState(target.config, 1, max_rollback, capacity=max_length)
         self.sequence = self.state.sequences()[0]
@@ -131,7 +172,7 @@ class TargetGraphs:
         self.use_graphs = self.device.type == "cuda"
         self.compiled = compile and self.use_graphs
         self._block = torch.compile(_graph_block, dynamic=False) if self.compiled else _graph_block
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
 
     def check_length(self, tokens: int) -> None:
@@ -176,10 +217,11 @@ class TargetGraphs:
         else:  # the prompt: the same fixed-shape layers, eagerly, in chunks.  It also allocates the state's
             # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
             residual = self.runner._batched([ids[0]], [self.sequence], [n])
-        model = self.target.model
-        h = model.norm(model.hc_head(residual.unsqueeze(0)))  # eager: hooks on hc_head see every forward
+        model, head = self.target.model, self.target.lm_head
+        # eager: hooks on hc_head see every forward
+        h = model.norm(model.hc_head(residual.unsqueeze(0).to(model.hc_head.hc_fn.device)))
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.target.lm_head(h[:, keep])
+        logits = head(h[:, keep].to(head.weight.device))
         return output_class(logits=logits, **{cache_name: cache})
 
     def _check_inputs(self, attention_mask, position_ids, past: int, n: int) -> None:
@@ -196,32 +238,58 @@ class TargetGraphs:
                 raise ValueError("a graphed target takes positions from its cache: position_ids must count on from "
                                  "the cached length (0, 1, ... on the first forward).")
 
-    def _step(self, plan, g: _Graph) -> torch.Tensor:
-        """Embedding and every layer for the rows of ``plan``, reading ``g``'s static inputs."""
+    def _segment_step(self, plan, g: _Graph) -> None:
+        """One segment's share of a forward for the rows of ``plan``, reading ``g``'s static inputs:
+        the embedding (first segment) and the segment's layers.  Sets ``g.out`` / ``g.pe_out``."""
         t = plan.use(g.flat)  # the derived masks are computed here, inside the graph
         model, state, runner = self.target.model, self.state, self.runner
-        pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
-        for layer, lstate in zip(model.layers, state.layers):
-            hidden = self._block(runner, layer, lstate, hidden, g.ids, pe, state, plan, t)
-        return hidden[0]
+        if g.segment.embeds:
+            pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
+        else:
+            pe, hidden = g.pe, g.hidden
+        for idx in g.segment.layers:
+            hidden = self._block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
+        g.out, g.pe_out = hidden, pe
 
     def _fixed_step(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        """A forward of ``n <= max_rows`` rows: a graph replay, or (first time, or on CPU) the step itself."""
+        """A forward of ``n <= max_rows`` rows: graph replays, or (first time, or on CPU) the step itself."""
         plan = self.state.plan([0], [n])
         flat = plan.host_flat()
-        g = (self.use_graphs and self._graphs.get(n)) or _Graph(n, flat.numel(), self.device)
-        g.ids.copy_(ids)
-        g.upload(flat)
-        if g.graph is not None:
-            g.graph.replay()
-            out = g.out.clone()  # the next replay overwrites g.out; the MTP reads this residual later
+        graphs = self._graphs.get(n) if self.use_graphs else None
+        if graphs is not None:
+            prev = None
+            for g in graphs:
+                with torch.cuda.device(g.segment.device):
+                    g.ids.copy_(ids)
+                    g.upload(flat)
+                    if prev is not None:
+                        g.take(prev)
+                    g.graph.replay()
+                prev = g
+            out = prev.out[0].clone()  # the next replay overwrites it; the MTP reads this residual later
         else:
-            out = self._run(lambda: self._step(plan, g), n, "running")  # the real forward (and the warm-up)
+            graphs = self._run(lambda: self._segments_eagerly(plan, ids, flat, n), n, "running")  # and the warm-up
+            out = graphs[-1].out[0]
             if self.use_graphs:
-                self._capture(plan, g, n)
-                self._graphs[n] = g
+                self._capture(plan, graphs, n)
+                self._graphs[n] = graphs
         self.state.commit(plan)
         return out
+
+    def _segments_eagerly(self, plan, ids, flat, n: int) -> list[_Graph]:
+        """The forward itself, segment after segment, through the static inputs the graphs will read."""
+        graphs, prev = [], None
+        for segment in self.segments:
+            with torch.cuda.device(segment.device) if segment.device.type == "cuda" else contextlib.nullcontext():
+                g = _Graph(n, flat.numel(), segment, *((prev.out, prev.pe_out) if prev is not None else ()))
+                g.ids.copy_(ids)
+                g.upload(flat)
+                if prev is not None:
+                    g.take(prev)
+                self._segment_step(plan, g)
+            graphs.append(g)
+            prev = g
+        return graphs
 
     def _run(self, fn, n: int, what: str):
         # layers of one kind and one n share a compiled block: kinds x max_rows entries in Dynamo's cache
@@ -239,16 +307,19 @@ class TargetGraphs:
                     "set_experts_implementation('grouped_mm') are capturable. graph_target(target, compile=False) "
                     "captures the uncompiled step; ungraph_target(target) runs transformers' forward.") from e
 
-    def _capture(self, plan, g: _Graph, n: int) -> None:
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+    def _capture(self, plan, graphs: list[_Graph], n: int) -> None:
+        for device in {g.segment.device for g in graphs}:  # the eager forward has finished everywhere
+            torch.cuda.synchronize(device)
+        for g in graphs:
+            with torch.cuda.device(g.segment.device):  # streams and graphs belong to the current device
+                graph = torch.cuda.CUDAGraph()
 
-        def capture():
-            with torch.cuda.graph(graph):
-                g.out = self._step(plan, g)
+                def capture(g=g, graph=graph):
+                    with torch.cuda.graph(graph):
+                        self._segment_step(plan, g)
 
-        self._run(capture, n, "capturing")
-        g.graph = graph
+                self._run(capture, n, "capturing")
+                g.graph = graph
 
 
 def _cache_name(target) -> str:
@@ -263,7 +334,8 @@ def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile:
     ``max_length``: the most tokens (prompt + generated) one generation reaches; the state's
     buffers are sized for it.  ``max_rollback``: the most drafts an assisted round may verify.
     ``compile``: compile each layer before capturing it (CUDA; the first steps of each row count
-    then take seconds to compile, once per process).
+    then take seconds to compile, once per process).  A target on several GPUs (a ``device_map``,
+    with ``model.rotary_emb`` beside the embedding) replays one graph per device segment.
     Afterwards ``target.generate(...)`` (plain, or with ``assistant_model=mtp``) runs the graphed
     step; ``target(ids, past_key_values=graphs.new_cache())`` too.  ``ungraph_target`` undoes it.
     """
