@@ -114,13 +114,17 @@ class _Graph:
         self.staging = torch.zeros(plan_size, dtype=torch.long, pin_memory=cuda)
         self.staged = torch.cuda.Event() if cuda else None  # the last upload has read `staging`
 
-    def take(self, prev: "_Graph") -> None:
-        """The previous segment's outputs into this one's static inputs (a device-to-device copy: the
-        two devices' streams are ordered around it, the host does not wait)."""
-        self.hidden.copy_(prev.out)
-        for k, pair in self.pe.items():
-            for dst, src in zip(pair, prev.pe_out[k]):
-                dst.copy_(src)
+    def load(self, ids: torch.Tensor, flat: torch.Tensor, prev: "_Graph | None") -> None:
+        """This forward's inputs into the static buffers: the ids, the plan and, after the first segment,
+        the previous segment's outputs (device to device: PyTorch orders the two devices' streams around
+        the copy, the host does not wait)."""
+        self.ids.copy_(ids)
+        self.upload(flat)
+        if prev is not None:
+            self.hidden.copy_(prev.out)
+            for k, pair in self.pe.items():
+                for dst, src in zip(pair, prev.pe_out[k]):
+                    dst.copy_(src)
 
     def upload(self, flat: torch.Tensor) -> None:
         if self.staged is None:
@@ -260,10 +264,7 @@ class TargetGraphs:
             prev = None
             for g in graphs:
                 with torch.cuda.device(g.segment.device):
-                    g.ids.copy_(ids)
-                    g.upload(flat)
-                    if prev is not None:
-                        g.take(prev)
+                    g.load(ids, flat, prev)
                     g.graph.replay()
                 prev = g
             out = prev.out[0].clone()  # the next replay overwrites it; the MTP reads this residual later
@@ -282,10 +283,7 @@ class TargetGraphs:
         for segment in self.segments:
             with torch.cuda.device(segment.device) if segment.device.type == "cuda" else contextlib.nullcontext():
                 g = _Graph(n, flat.numel(), segment, *((prev.out, prev.pe_out) if prev is not None else ()))
-                g.ids.copy_(ids)
-                g.upload(flat)
-                if prev is not None:
-                    g.take(prev)
+                g.load(ids, flat, prev)
                 self._segment_step(plan, g)
             graphs.append(g)
             prev = g
