@@ -165,8 +165,6 @@ def test_loading_a_release_packed_never_builds_bf16_experts(tmp_path, layout):
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
     plain = model.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=mtp), plain)
-    with pytest.raises(NotImplementedError, match="before pack_fp4_experts"):
-        model.save_pretrained(tmp_path / "again")
 
 
 FP8_WEIGHTS = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_b.weight",
@@ -200,6 +198,13 @@ def test_loading_packed_a_native_release_with_fp8_weights_equals_transformers_ow
     assert not [n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj")]
     torch.testing.assert_close(logits(model), want, rtol=1e-4, atol=1e-4)
     assert (logits(model) - logits(target)).abs().max() > 1e-3  # the FP8 rounding and scales are in effect
+    print("quantizer:", getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None))
+    model.save_pretrained(tmp_path / "again")  # on CPU transformers dequantised the projections: a dense save
+    torch.testing.assert_close(logits(DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "again")),
+                               want, rtol=1e-4, atol=1e-4)
+    model.config.quantization_config = config["quantization_config"]  # as on a GPU, where FP8 linears stay
+    with pytest.raises(NotImplementedError, match="quantization_config"):
+        model.save_pretrained(tmp_path / "fp8")
 
 
 def test_loading_packed_names_a_release_without_experts_or_another_model(tmp_path):
@@ -215,14 +220,39 @@ def test_loading_packed_names_a_release_without_experts_or_another_model(tmp_pat
         DeepseekV4PackedExpertsForCausalLM.from_pretrained(release, experts_implementation="grouped_mm")
 
 
-def test_saving_a_packed_target_says_it_is_not_supported(tmp_path):
-    """transformers would not load the packed experts back (it reports a size mismatch on down_proj):
-    refuse up front, naming what to do, rather than write a checkpoint that cannot be read."""
-    target, _ = tiny_pair(seed=SEED)
-    pack_fp4_experts(target)
-    with pytest.raises(NotImplementedError, match="before pack_fp4_experts"):
-        target.save_pretrained(tmp_path)
-    assert not list(tmp_path.iterdir())
+def packed_buffers(model) -> list[torch.Tensor]:
+    return [b for layer in model.model.layers for b in layer.mlp.experts.fp4.buffers()]
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("fmt,shard", [("mxfp4", None), ("nvfp4", None), ("mxfp4", "100KB")],
+                         ids=["mxfp4", "nvfp4", "mxfp4-sharded"])
+def test_a_packed_target_saves_and_loads_back_packed_bit_for_bit(tmp_path, fmt, shard):
+    """save_pretrained writes transformers' tensors as transformers does and the packed experts as a release
+    stores them; DeepseekV4PackedExpertsForCausalLM reads them back, and the loaded model saves the same again."""
+    print(f"seed={SEED}")
+    target, mtp = tiny_pair(seed=SEED)
+    set_dense(target, packed_experts(target.config, fmt, SEED), fmt)
+    pack_fp4_experts(target, expert_format=fmt)
+    want = logits(target)
+    target.save_pretrained(tmp_path / "packed", **({"max_shard_size": shard} if shard else {}))
+    saved = json.loads((tmp_path / "packed" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not [k for k in saved if ".fp4." in k] and len({v for v in saved.values()}) > 1 + bool(shard)
+    model = DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "packed").eval()
+    assert not [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert model.model.layers[0].mlp.experts.fp4.format.name == fmt
+    for got, ref in zip(packed_buffers(model), packed_buffers(target)):
+        assert torch.equal(got, ref)
+    torch.testing.assert_close(logits(model), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="safetensors"):
+        model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    model.save_pretrained(tmp_path / "again")
+    again = DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert all(torch.equal(a, b) for a, b in zip(packed_buffers(again), packed_buffers(target)))
+    mtp.bind(again)
+    ids = torch.randint(3, again.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    plain = again.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(again.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=mtp), plain)
 
 
 def test_in_memory_nvfp4_quantisation_is_a_real_close_requantisation():

@@ -15,6 +15,7 @@ experts, attention and everything else stay transformers' own modules.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -120,15 +121,70 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         experts.fp4 = packed
         del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    model.save_pretrained = _refuse_save  # per instance: the packed experts would not load back (not yet)
+    model.save_pretrained = functools.partial(save_packed, model)  # per instance: transformers' save drops them
     return model
 
 
-def _refuse_save(*args, **kwargs):
-    raise NotImplementedError(
-        "save_pretrained of a model with packed FP4 experts is not supported yet: transformers' from_pretrained "
-        "would not load the packed experts back. Save the model before pack_fp4_experts, or keep the release and "
-        "call pack_fp4_experts(target, release) after loading it.")
+def _expert_tensors(layer: int, packed: FP4Experts) -> dict[str, torch.Tensor]:
+    """One layer's packed experts under the names and layout of a release: native MXFP4 (``.weight`` int8,
+    ``.scale`` E8M0), or ModelOpt NVFP4 (``.weight``, ``.weight_scale`` E4M3, ``.weight_scale_2`` fp32)."""
+    from .loading.formats import SAFETENSORS_DTYPES
+
+    e8m0 = SAFETENSORS_DTYPES["F8_E8M0"] or torch.uint8  # raw exponent bytes read back as U8 too
+    i, out = packed.intermediate_size, {}
+    w13, s13, g13 = packed.w13_weight.cpu(), packed.w13_scale.cpu(), packed.w13_global.cpu()
+    w2, s2, g2 = packed.w2_weight.cpu(), packed.w2_scale.cpu(), packed.w2_global.cpu()
+    for e in range(packed.num_experts):
+        for m, p, sc, g in (("w1", w13[e, :i], s13[e, :i], g13[e, 0]), ("w3", w13[e, i:], s13[e, i:], g13[e, 1]),
+                            ("w2", w2[e], s2[e], g2[e])):
+            name = f"model.layers.{layer}.ffn.experts.{e}.{m}"
+            if packed.format.name == "mxfp4":
+                out[name + ".weight"], out[name + ".scale"] = p.view(torch.int8).clone(), sc.view(e8m0).clone()
+            else:
+                out[name + ".weight"], out[name + ".weight_scale"] = p.clone(), sc.view(torch.float8_e4m3fn).clone()
+                out[name + ".weight_scale_2"] = g.clone().reshape(())
+    return out
+
+
+def save_packed(model, save_directory, **kwargs) -> None:
+    """``save_pretrained`` of a model with packed experts: transformers writes everything else (its names,
+    its shards), then each layer's experts go into a shard of their own as a release stores them, listed in
+    the index.  :class:`DeepseekV4PackedExpertsForCausalLM` loads the result back, packed, bit for bit."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    from transformers import PreTrainedModel
+
+    if getattr(model.config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+        raise NotImplementedError(
+            "save_pretrained of a packed target loaded under a quantization_config (the native release's FP8 "
+            "projections) is not supported: keep the release itself, and load it with "
+            "DeepseekV4PackedExpertsForCausalLM.from_pretrained(release).")
+    if kwargs.get("safe_serialization") is False:
+        raise ValueError("packed experts are saved as safetensors only (safe_serialization=True).")
+    layers = _experts_modules(model)
+    state = {k: v for k, v in model.state_dict().items() if ".experts.fp4." not in k}
+    PreTrainedModel.save_pretrained(model, save_directory, state_dict=state, **kwargs)
+    index_path = os.path.join(save_directory, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    else:  # one shard: an index now lists it beside the expert shards
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(save_directory, "model.safetensors"), framework="pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    total = index.setdefault("metadata", {}).get("total_size", 0)
+    for i, experts in layers:
+        name = f"experts-{i + 1:05d}-of-{len(layers):05d}.safetensors"
+        tensors = _expert_tensors(i, experts.fp4)
+        save_file(tensors, os.path.join(save_directory, name), metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index["metadata"]["total_size"] = total
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
 
 
 class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
@@ -186,8 +242,11 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
                                  "and the CPU only.")
             reader.fill(i, experts.fp4)
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # whatever default loading picked
-        model.save_pretrained = _refuse_save
         return model
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """:func:`save_packed`: the experts as a release stores them, the rest as transformers saves it."""
+        save_packed(self, save_directory, **kwargs)
 
 
 def expert_bytes(model) -> int:

@@ -28,7 +28,8 @@ from .native import (
     validate_expert,
 )
 
-LAYER_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.")
+# A release names them `layers.…`; transformers' save_pretrained (and ours, `save_packed`) `model.layers.…`.
+LAYER_EXPERT = re.compile(r"^(model\.)?layers\.\d+\.ffn\.experts\.\d+\.w[123]\.")
 
 
 class ReleaseExperts:
@@ -48,6 +49,7 @@ class ReleaseExperts:
                 f"{path_or_repo} holds no routed experts under `layers.{{l}}.ffn.experts.{{e}}.w1/w2/w3` (its index "
                 f"lists {len(weight_map)} tensors): pass the DeepSeek-V4 release the target was loaded from."
             )
+        self.prefix = "model." if keys[0].startswith("model.") else ""
         self.shard_of = {k: weight_map[k] for k in keys}
         shards = sorted(set(self.shard_of.values()))
         self.paths = {s: single or resolve_file(path_or_repo, s, hub) for s in shards}
@@ -55,7 +57,7 @@ class ReleaseExperts:
         for s in shards:
             h = read_safetensors_header(self.paths[s])
             header.update((k, h[k]) for k in keys if self.shard_of[k] == s and k in h)
-        self.layout = F.detect_expert_layout("layers.0.ffn.experts.0.w1", header) or F.MXFP4_NATIVE
+        self.layout = F.detect_expert_layout(f"{self.prefix}layers.0.ffn.experts.0.w1", header) or F.MXFP4_NATIVE
         if self.layout.format is not None and expert_format not in (None, self.layout.format):
             raise MtpCheckpointError(
                 f"This release stores the routed experts as {self.layout.name}; expert_format={expert_format!r} would "
@@ -77,7 +79,7 @@ class ReleaseExperts:
         units, missing = [], []
         for e in range(num_experts):
             for m in EXPERT_MATRICES:
-                srcs = self.layout.keys(f"layers.{layer}.ffn.experts.{e}.{m}")
+                srcs = self.layout.keys(f"{self.prefix}layers.{layer}.ffn.experts.{e}.{m}")
                 absent = [k for k in srcs.values() if k not in header]
                 if absent:
                     missing.extend(absent)
