@@ -170,11 +170,13 @@ def save_packed(model, save_directory, **kwargs) -> None:
     if os.path.exists(index_path):
         with open(index_path) as f:
             index = json.load(f)
-    else:  # one shard: an index now lists it beside the expert shards
+    else:  # one file: renamed as a shard, since loaders read a lone model.safetensors and never the index
         from safetensors import safe_open
 
-        with safe_open(os.path.join(save_directory, "model.safetensors"), framework="pt") as f:
-            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+        single = "model-00001-of-00001.safetensors"
+        os.replace(os.path.join(save_directory, "model.safetensors"), os.path.join(save_directory, single))
+        with safe_open(os.path.join(save_directory, single), framework="pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), single)}
     total = index.setdefault("metadata", {}).get("total_size", 0)
     for i, experts in layers:
         name = f"experts-{i + 1:05d}-of-{len(layers):05d}.safetensors"
