@@ -89,7 +89,7 @@ class Controlled:
         self.timing = False
         self._hooks = [
             target.register_forward_pre_hook(self._take_ids, with_kwargs=True),  # graph_target skips target.model
-            target.lm_head.register_forward_hook(self._margin),
+            target.register_forward_hook(self._margin),  # on the logits out: graph_target runs lm_head in its graph
             target.register_forward_pre_hook(self._target_start),
             target.register_forward_hook(self._target_end),
         ]
@@ -100,12 +100,12 @@ class Controlled:
         self._ids = ids
 
     def _margin(self, module, args, out):
-        ids, self._ids = self._ids, None
-        if ids is None:  # the ragged path adds its margins itself (RaggedTargetForward below)
-            return out
-        rows = ids[:, -out.shape[1]:]
-        return out.scatter_add(-1, successor(rows, self.vocab).unsqueeze(-1).to(out.device),
-                               torch.full((*rows.shape, 1), MARGIN, dtype=out.dtype, device=out.device))
+        ids, self._ids = self._ids, None  # (the ragged path adds its margins itself: RaggedTargetForward below)
+        logits = out.logits
+        rows = ids[:, -logits.shape[1]:]
+        out.logits = logits.scatter_add(-1, successor(rows, self.vocab).unsqueeze(-1).to(logits.device),
+                                        torch.full((*rows.shape, 1), MARGIN, dtype=logits.dtype, device=logits.device))
+        return out
 
     def ragged_call(self, original):
         ctl = self

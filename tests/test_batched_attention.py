@@ -175,3 +175,28 @@ def test_state_errors_name_the_problem():
     cfg._attn_implementation = "sdpa"
     with pytest.raises(ValueError, match="per_sequence"):
         BatchedTargetState(cfg, 2, 1)
+
+
+@pytest.mark.parametrize("overrides", [{}, DENSE], ids=["default", "dense"])
+def test_the_fixed_plan_a_graph_computes_equals_the_host_plan(overrides):
+    """The graphed step's plan, computed by torch from the length alone, gives every index and mask of the
+    host (NumPy) plan of the same forward: at every length from the first token up to the capacity (the
+    window filling, compressor windows closing, rollbacks' reach), for every verify width."""
+    target, _ = tiny_pair(seed=0, target_overrides=overrides)
+    capacity, K = 60, 4
+    state = BatchedTargetState(target.config, 1, max_rollback=K, capacity=capacity)
+    for n in range(1, K + 2):
+        for length in range(0, capacity - n + 1):
+            state.lengths[0] = state.high[0] = length
+            host = state.plan([0], [n])
+            want = host.use(host.host_flat())
+            got = state.fixed_plan(n).indices(torch.tensor([length]))
+            assert set(got) == set(want), f"n={n} L={length}: keys {sorted(set(got) ^ set(want))} differ"
+            for key in want:
+                assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (
+                    f"n={n} L={length}: {key} is {got[key].tolist()}, the host plan's {want[key].tolist()}")
+            assert state.fixed_plan(n).streams == host.streams and state.fixed_plan(n).ring == host.ring
+    with pytest.raises(ValueError, match="capacity=60"):
+        state.fixed_plan(K + 2)  # from length 60 - 5
+    with pytest.raises(ValueError, match="one sequence slot with a capacity"):
+        BatchedTargetState(target.config, 2, max_rollback=K, capacity=capacity).fixed_plan(1)

@@ -82,11 +82,18 @@ def in_three_segments(model):
             target_graph._Segment(dev, False, [2])]
 
 
+def head_apart(segments, device):
+    """The head in a segment of its own, as on a device_map that puts the lm head on another GPU."""
+    return segments + [target_graph._Segment(device, False, [], head=True)]
+
+
 @pytest.mark.tf_internals
 def test_a_target_in_segments_computes_what_it_computes_whole(monkeypatch):
-    """Each segment reads the streams and RoPE tables the previous one wrote into its static inputs: through
-    forwards and crops the segmented step equals transformers' forward, and generate stays exact."""
+    """Each segment reads the streams and RoPE tables the previous one wrote into its static inputs (the
+    head in a segment of its own): through forwards and crops the segmented step equals transformers'
+    forward, and generate stays exact."""
     monkeypatch.setattr(target_graph, "_segments", in_three_segments)
+    monkeypatch.setattr(target_graph, "_with_head", head_apart)
     seed = SEED + 7
     print(f"seed={seed}")
     target, mtp = tiny_pair(seed=seed)
@@ -94,7 +101,7 @@ def test_a_target_in_segments_computes_what_it_computes_whole(monkeypatch):
     kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
     plain = target.generate(ids, **kw)
     graphs = graph_target(target, max_length=200, max_rollback=3)
-    assert [len(sg.layers) for sg in graphs.segments] == [0, 2, 1]
+    assert [(len(sg.layers), sg.head) for sg in graphs.segments] == [(0, False), (2, False), (1, False), (0, True)]
     rng = random.Random(seed)
     steps = [rng.randint(2, 20)] + [rng.randint(1, 4) for _ in range(20)]
     for i, n, want, got in forward_both(target, graphs, steps, seed):

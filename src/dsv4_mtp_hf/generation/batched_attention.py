@@ -161,16 +161,76 @@ class _Plan:
         for k, v in self._host.items():
             t[k] = flat[i : i + v.size].view(v.shape)
             i += v.size
-        pos, kpos = t["pos"][:, :, None], t["kpos"][:, None, :]
-        # sliding: a query at p sees the keys p - W + 1 .. p that exist (transformers' sliding mask)
-        t["k_ok"] = (kpos >= 0) & (kpos < t["end"][:, None, None]) & (kpos <= pos) & (pos - kpos < self.window)
-        for key, (p, NW, _) in self.streams.items():
-            # a query at p may use the entries of windows that closed at or before p
-            t[p + "thresh"] = (t["pos"] + 1) // key[0]
-            if p + "has_prev" in t:
-                t[p + "has_prev"] = t[p + "has_prev"].bool()
-        self._dev[flat.device] = t
+        self._dev[flat.device] = _derive_masks(t, self.window, self.streams)
         return t
+
+
+def _derive_masks(t: dict, window: int, streams: dict) -> dict:
+    """The masks a forward derives from its index tensors ``t`` (in place; on their device)."""
+    pos, kpos = t["pos"][:, :, None], t["kpos"][:, None, :]
+    # sliding: a query at p sees the keys p - W + 1 .. p that exist (transformers' sliding mask)
+    t["k_ok"] = (kpos >= 0) & (kpos < t["end"][:, None, None]) & (kpos <= pos) & (pos - kpos < window)
+    for key, (p, NW, _) in streams.items():
+        # a query at p may use the entries of windows that closed at or before p
+        t[p + "thresh"] = (t["pos"] + 1) // key[0]
+        if p + "has_prev" in t:
+            t[p + "has_prev"] = t[p + "has_prev"].bool()
+    return t
+
+
+class _FixedPlan:
+    """The plan of a fixed-shape forward of ``n`` rows of sequence slot 0 (the graphed target's step,
+    batch 1, with a capacity): :class:`_Plan`'s index tensors specialised to one sequence, computed by
+    torch from its length ``L`` where ``L`` lies (:meth:`indices`).  Its shapes do not depend on ``L``, so
+    one plan serves every step of ``n`` rows and a CUDA graph computes the indices itself from a length
+    buffer: the host plans nothing per step.  ``tests/test_batched_attention.py`` checks it equals
+    :class:`_Plan` index for index."""
+
+    def __init__(self, n: int, window: int, max_rollback: int, streams: list, capacity: int):
+        self.slots, self.b, self.S, self.N, self.window, self.capacity = [0], 1, n, n, window, capacity
+        self.ring = max(1, window - 1 + max_rollback)  # as _Plan
+        self.streams = {key: (f"{key[0]}_{key[1]}_{int(key[2])}_", (key[0] - 1 + n) // key[0], capacity // key[0])
+                        for key in streams}
+
+    def indices(self, L: torch.Tensor) -> dict:
+        """``L``: the sequence's length, int64 ``[1]`` on the forward's device -> :meth:`_Plan.use`'s dict."""
+        n, W, dev = self.N, self.window, L.device
+
+        def arange(k):
+            return torch.arange(k, device=dev)
+
+        def zeros(k):
+            return torch.zeros(k, dtype=torch.long, device=dev)
+
+        def src(P, R):  # _Plan's src for one sequence: the ring below L, this forward's rows from L on
+            Lb = L.reshape((1,) * P.ndim)
+            return torch.where(P < Lb, P % R, R + P - Lb).clamp(0, R + n - 1)
+
+        def ring_writes(prefix, R):
+            c = min(n, R)
+            t[prefix + "w_row"], t[prefix + "w_slot"], t[prefix + "w_src"] = zeros(c), (L + n - c + arange(c)) % R, n - c + arange(c)
+
+        j = arange(n)
+        t = {"rows": zeros(1), "pos": L[:, None] + j, "pad_idx": j[None], "unpad_idx": j, "flat_pos": (L + j)[None],
+             "end": L + n}
+        t["kpos"] = L[:, None] - (W - 1) + arange(W - 1 + n)
+        t["ksrc"] = src(t["kpos"], self.ring)
+        ring_writes("s_", self.ring)
+        for (rate, R, overlap), (p, NW, _) in self.streams.items():
+            w0, nw = L // rate, (L % rate + n) // rate
+            if NW:
+                first = w0[:, None] + arange(NW)  # [1, NW]
+                P = (first * rate)[:, :, None] + arange(rate)
+                t[p + "win"] = src(P, R)
+                if overlap:
+                    t[p + "prev"] = src(P - rate, R)
+                    t[p + "has_prev"] = (first >= 1).long()
+                t[p + "epos"] = first * rate
+                k = arange(NW)
+                t[p + "e_row"], t[p + "e_src"] = zeros(NW), k
+                t[p + "e_idx"] = torch.where(k < nw, w0 + k, self.capacity // rate)  # else the spare entry
+            ring_writes(p, R)
+        return _derive_masks(t, W, self.streams)
 
 
 class _Stream:
@@ -275,6 +335,7 @@ class BatchedTargetState:
         self.lengths = [0] * batch_size
         self.high = [0] * batch_size  # furthest length reached: rings hold rows back to high - ring size
         self.alive = [True] * batch_size
+        self._fixed_plans: dict[int, _FixedPlan] = {}
 
     def sequences(self) -> list["BatchedSequence"]:
         return [BatchedSequence(self, i) for i in range(self.batch_size)]
@@ -318,6 +379,25 @@ class BatchedTargetState:
         keys = {st.key for layer in self.layers for st in layer.streams.values()}
         return _Plan(slots, [self.lengths[s] for s in slots], chunk_lengths, self.window, self.max_rollback,
                      sorted(keys), self.capacity)
+
+    def fixed_plan(self, n: int) -> _FixedPlan:
+        """The :class:`_FixedPlan` of a forward of ``n`` rows of slot 0 at its current length (a state with a
+        capacity and one slot: the graphed target's); :meth:`advance` afterwards."""
+        if self.capacity is None or self.batch_size != 1:
+            raise ValueError("fixed plans are for a state of one sequence slot with a capacity (graph_target's).")
+        self._check(0)
+        if self.lengths[0] + n > self.capacity:
+            raise ValueError(f"sequence 0 would reach {self.lengths[0] + n} tokens; this state holds at most "
+                             f"capacity={self.capacity} (for a graphed target: graph_target(target, max_length=...)).")
+        if n not in self._fixed_plans:
+            keys = {st.key for layer in self.layers for st in layer.streams.values()}
+            self._fixed_plans[n] = _FixedPlan(n, self.window, self.max_rollback, sorted(keys), self.capacity)
+        return self._fixed_plans[n]
+
+    def advance(self, slot: int, n: int) -> None:
+        """After every layer ran a forward of ``n`` rows of ``slot``: the sequence is longer by them."""
+        self.lengths[slot] += n
+        self.high[slot] = max(self.high[slot], self.lengths[slot])
 
     def commit(self, plan: _Plan) -> None:
         """After every layer ran ``plan``: the sequences are longer by their chunks."""

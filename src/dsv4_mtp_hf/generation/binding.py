@@ -34,17 +34,23 @@ class _AssistedRun:
         self.auto = auto
         self.stats = GenerationStats(num_assistant_tokens, auto=auto)
         self._residual = None
-        self._hook = target.model.hc_head.register_forward_pre_hook(self._capture)
+        # A graphed target runs its head inside its step and hands the residual over itself.
+        self._graphs = target.__dict__.get("_dsv4_target_graphs")
+        self._hook = None if self._graphs else target.model.hc_head.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._residual = args[0]
 
     def take_residual(self) -> torch.Tensor | None:
+        """The target's pre-``hc_head`` streams ``[1, n, hc, D]`` of its last forward, once."""
+        if self._graphs is not None:
+            return self._graphs.take_residual()
         residual, self._residual = self._residual, None
         return residual
 
     def close(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         self._residual = None
 
 

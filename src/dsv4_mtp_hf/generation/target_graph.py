@@ -9,20 +9,22 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   forward's shapes depend only on its number of new rows ``n``;
 * the layers are :class:`~.ragged_target.RaggedTargetForward`'s spelling of transformers'
   ``DeepseekV4DecoderLayer.forward`` with the target's own modules and weights;
-* for ``n <= max_rollback + 1`` (a plain step, or a verify of ``K`` drafts) the embedding and
-  every layer replay one CUDA graph per ``n``, captured the first time ``n`` occurs (that
-  first forward runs eagerly and is the warm-up).  The forward's indices are planned on the
-  host from the length alone and copied (from pinned memory) into the graph's static buffer:
-  no host sync, so the host plans the verify while the GPU still runs the MTP's round;
+* for ``n <= max_rollback + 1`` (a plain step, or a verify of ``K`` drafts) the embedding,
+  every layer and the head (``hc_head``, ``norm``, ``lm_head``) replay one CUDA graph per
+  ``n``, captured the first time ``n`` occurs (that first forward runs eagerly and is the
+  warm-up).  The graph computes the forward's indices itself from the sequence's length
+  (:class:`~.batched_attention._FixedPlan`): the host writes one number and launches, with no
+  plan, no upload and no sync (the host work before a launch is what an idle GPU waits on);
 * a target spread over GPUs by a ``device_map`` replays one graph per device segment
   (:func:`_segments`), the streams and RoPE tables copied device to device between replays;
 * on CUDA each layer is first compiled (``torch.compile``, one layer at a time: layers of one
   kind and one ``n`` share the compiled code, so compiling does not grow with the depth).
   Inductor fuses the norms, RoPE, masks and index arithmetic that make an eager layer ~270
   kernels; our custom ops (mHC, FP4 MoE) stay opaque;
-* ``hc_head``, ``norm`` and ``lm_head`` run eagerly after the replay, so forward hooks on them
-  (the MTP's residual hook) see every forward.  Longer forwards (the prompt) run the same
-  fixed-shape code eagerly, in chunks.
+* the head runs inside the step, so forward hooks on ``hc_head``, ``norm`` and ``lm_head`` do
+  not fire there (as on the layers; hooks on the target itself do).  The residual the MTP
+  drafts from is handed over by :meth:`TargetGraphs.take_residual`.  Longer forwards (the
+  prompt) run the same layers eagerly, in chunks, planned on the host.
 
 The state rolls back by moving its length (:class:`GraphedTargetCache.crop`), so assisted
 generation with the MTP works on top of it.  On CPU the same fixed-shape step runs eagerly.
@@ -77,10 +79,19 @@ class GraphedTargetCache(Cache):
 
 
 class _Segment:
-    """Consecutive pieces of the target on one device: the embedding (first segment only) and ``layers``."""
+    """Consecutive pieces of the target on one device: the embedding (first segment only), ``layers``
+    and the head (last segment only)."""
 
-    def __init__(self, device: torch.device, embeds: bool, layers: list[int]):
-        self.device, self.embeds, self.layers = device, embeds, layers
+    def __init__(self, device: torch.device, embeds: bool, layers: list[int], head: bool = False):
+        self.device, self.embeds, self.layers, self.head = device, embeds, layers, head
+
+
+def _head_device(target) -> torch.device:
+    devices = {target.model.hc_head.hc_fn.device, target.model.norm.weight.device, target.lm_head.weight.device}
+    if len(devices) != 1:
+        raise ValueError(f"graph_target runs model.hc_head, model.norm and lm_head in one graph: put them on one "
+                         f"device in the device_map, not on {sorted(map(str, devices))}.")
+    return devices.pop()
 
 
 def _segments(model) -> list[_Segment]:
@@ -95,45 +106,49 @@ def _segments(model) -> list[_Segment]:
     return segments
 
 
-class _Graph:
-    """One captured step of ``n`` rows on one segment: static inputs (token ids, the plan's indices, and
-    after the first segment the streams and RoPE tables the previous one produced) and outputs."""
+def _with_head(segments: list[_Segment], device: torch.device) -> list[_Segment]:
+    """The head joins the last segment, or follows it on a device of its own."""
+    if segments[-1].device != device:
+        segments.append(_Segment(device, False, []))
+    segments[-1].head = True
+    return segments
 
-    def __init__(self, n: int, plan_size: int, segment: _Segment, hidden_like=None, pe_like=None):
+
+class _Graph:
+    """One captured step of ``n`` rows on one segment: static inputs (token ids, the sequence's length,
+    and after the first segment the streams and RoPE tables the previous one produced) and outputs
+    (the streams, and on the head's segment the logits)."""
+
+    def __init__(self, n: int, segment: _Segment, hidden_like=None, pe_like=None):
         device = segment.device
         self.segment = segment
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.flat = torch.zeros(plan_size, dtype=torch.long, device=device)
+        self.length = torch.zeros(1, dtype=torch.long, device=device)
         self.hidden = None if hidden_like is None else torch.empty_like(hidden_like, device=device)
         self.pe = None if pe_like is None else {k: tuple(torch.empty_like(t, device=device) for t in v)
                                                 for k, v in pe_like.items()}
-        self.graph = self.out = self.pe_out = None
-        # The plan goes up through pinned memory, asynchronously: a copy from pageable memory waits for
-        # the whole stream (the MTP's round still running, say), a pinned one is queued behind it.
-        cuda = device.type == "cuda"
-        self.staging = torch.zeros(plan_size, dtype=torch.long, pin_memory=cuda)
-        self.staged = torch.cuda.Event() if cuda else None  # the last upload has read `staging`
+        self.graph = self.out = self.pe_out = self.logits = None
 
-    def load(self, ids: torch.Tensor, flat: torch.Tensor, prev: "_Graph | None") -> None:
-        """This forward's inputs into the static buffers: the ids, the plan and, after the first segment,
-        the previous segment's outputs (device to device: PyTorch orders the two devices' streams around
-        the copy, the host does not wait)."""
+    def load(self, ids: torch.Tensor, length: int, prev: "_Graph | None") -> None:
+        """This forward's inputs into the static buffers: the ids, the length (a fill: no host-to-device
+        copy) and, after the first segment, the previous segment's outputs (device to device: PyTorch
+        orders the two devices' streams around the copy, the host does not wait)."""
         self.ids.copy_(ids)
-        self.upload(flat)
+        self.length.fill_(length)
         if prev is not None:
             self.hidden.copy_(prev.out)
             for k, pair in self.pe.items():
                 for dst, src in zip(pair, prev.pe_out[k]):
                     dst.copy_(src)
 
-    def upload(self, flat: torch.Tensor) -> None:
-        if self.staged is None:
-            self.flat.copy_(flat)
-            return
-        self.staged.synchronize()  # the previous upload is long done (a round syncs once): no wait in practice
-        self.staging.copy_(flat)
-        self.flat.copy_(self.staging, non_blocking=True)
-        self.staged.record(torch.cuda.current_stream(self.flat.device))
+
+def _fixed_indices(plan, length):
+    return plan.indices(length)
+
+
+def _graph_head(model, lm_head, residual):
+    """transformers' head on the streams ``[1, n, hc, D]`` -> logits ``[1, n, V]`` (the modules' own forwards)."""
+    return lm_head.forward(model.norm.forward(model.hc_head.forward(residual)))
 
 
 def _graph_block(runner, layer, lstate, hidden, ids, pe, state, plan, t):
@@ -163,7 +178,7 @@ class TargetGraphs:
             raise ValueError(f"graph_target needs the target on GPUs (one, or several by a device_map), or wholly on "
                              f"the CPU; its tensors are on {sorted(map(str, devices))}. Load it without offloading "
                              "to the CPU or disk, or leave it ungraphed.")
-        self.segments = _segments(target.model)
+        self.segments = _with_head(_segments(target.model), _head_device(target))
         self.target, self.device = target, self.segments[0].device
         rope = {b.device for b in target.model.rotary_emb.buffers()}
         if rope - {self.device}:
@@ -175,9 +190,16 @@ class TargetGraphs:
         self.max_length, self.max_rows = max_length, max_rollback + 1
         self.use_graphs = self.device.type == "cuda"
         self.compiled = compile and self.use_graphs
-        self._block = torch.compile(_graph_block, dynamic=False) if self.compiled else _graph_block
+        compiled = (lambda f: torch.compile(f, dynamic=False)) if self.compiled else (lambda f: f)
+        self._block, self._indices, self._head = compiled(_graph_block), compiled(_fixed_indices), compiled(_graph_head)
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
+        self._residual = None
+
+    def take_residual(self) -> torch.Tensor | None:
+        """The streams ``[1, n, hc, D]`` the last forward fed its head (what the MTP drafts from), once."""
+        residual, self._residual = self._residual, None
+        return residual
 
     def check_length(self, tokens: int) -> None:
         """Before a generation: it may reach ``tokens`` tokens (prompt + new ones); the state holds ``max_length``."""
@@ -193,6 +215,7 @@ class TargetGraphs:
                              f"{max_rollback} asked: call graph_target(target, max_rollback={max_rollback}).")
         self.state.lengths[0] = self.state.high[0] = 0
         self._epoch += 1
+        self._residual = None
         return GraphedTargetCache(self, self._epoch)
 
     # -- the forward -----------------------------------------------------------------------------
@@ -216,16 +239,16 @@ class TargetGraphs:
         past, n = cache.get_seq_length(), input_ids.shape[1]
         self._check_inputs(attention_mask, position_ids, past, n)
         ids = input_ids.to(self.device)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if n <= self.max_rows and past > 0:
-            residual = self._fixed_step(ids, n)
+            residual, logits = self._fixed_step(ids, n)
+            logits = logits[:, keep].clone()  # the next replay overwrites the graph's output
         else:  # the prompt: the same fixed-shape layers, eagerly, in chunks.  It also allocates the state's
             # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
-            residual = self.runner._batched([ids[0]], [self.sequence], [n])
-        model, head = self.target.model, self.target.lm_head
-        # eager: hooks on hc_head see every forward
-        h = model.norm(model.hc_head(residual.unsqueeze(0).to(model.hc_head.hc_fn.device)))
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = head(h[:, keep].to(head.weight.device))
+            residual = self.runner._batched([ids[0]], [self.sequence], [n]).unsqueeze(0)
+            residual = residual.to(self.segments[-1].device)
+            logits = _graph_head(self.target.model, self.target.lm_head, residual[:, keep])
+        self._residual = residual
         return output_class(logits=logits, **{cache_name: cache})
 
     def _check_inputs(self, attention_mask, position_ids, past: int, n: int) -> None:
@@ -244,8 +267,9 @@ class TargetGraphs:
 
     def _segment_step(self, plan, g: _Graph) -> None:
         """One segment's share of a forward for the rows of ``plan``, reading ``g``'s static inputs:
-        the embedding (first segment) and the segment's layers.  Sets ``g.out`` / ``g.pe_out``."""
-        t = plan.use(g.flat)  # the derived masks are computed here, inside the graph
+        the embedding (first segment), the segment's layers and the head (last segment).  Sets
+        ``g.out`` / ``g.pe_out`` (and ``g.logits``)."""
+        t = self._indices(plan, g.length)  # the forward's indices, computed inside the graph
         model, state, runner = self.target.model, self.state, self.runner
         if g.segment.embeds:
             pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
@@ -254,36 +278,38 @@ class TargetGraphs:
         for idx in g.segment.layers:
             hidden = self._block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
         g.out, g.pe_out = hidden, pe
+        if g.segment.head:
+            g.logits = self._head(model, self.target.lm_head, hidden)
 
-    def _fixed_step(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        """A forward of ``n <= max_rows`` rows: graph replays, or (first time, or on CPU) the step itself."""
-        plan = self.state.plan([0], [n])
-        flat = plan.host_flat()
+    def _fixed_step(self, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward of ``n <= max_rows`` rows: graph replays, or (first time, or on CPU) the step itself.
+        -> (the streams fed to the head ``[1, n, hc, D]``, the logits ``[1, n, V]``: a graph's buffer)."""
+        plan, length = self.state.fixed_plan(n), self.sequence.get_seq_length()
         graphs = self._graphs.get(n) if self.use_graphs else None
         if graphs is not None:
             prev = None
             for g in graphs:
                 with torch.cuda.device(g.segment.device):
-                    g.load(ids, flat, prev)
+                    g.load(ids, length, prev)
                     g.graph.replay()
                 prev = g
-            out = prev.out[0].clone()  # the next replay overwrites it; the MTP reads this residual later
+            out, logits = prev.out.clone(), prev.logits  # the next replay overwrites them (the MTP reads `out` later)
         else:
-            graphs = self._run(lambda: self._segments_eagerly(plan, ids, flat, n), n, "running")  # and the warm-up
-            out = graphs[-1].out[0]
+            graphs = self._run(lambda: self._segments_eagerly(plan, ids, length, n), n, "running")  # and the warm-up
+            out, logits = graphs[-1].out, graphs[-1].logits  # the eager run's: a capture computes nothing
             if self.use_graphs:
                 self._capture(plan, graphs, n)
                 self._graphs[n] = graphs
-        self.state.commit(plan)
-        return out
+        self.state.advance(0, n)
+        return out, logits
 
-    def _segments_eagerly(self, plan, ids, flat, n: int) -> list[_Graph]:
+    def _segments_eagerly(self, plan, ids, length: int, n: int) -> list[_Graph]:
         """The forward itself, segment after segment, through the static inputs the graphs will read."""
         graphs, prev = [], None
         for segment in self.segments:
             with torch.cuda.device(segment.device) if segment.device.type == "cuda" else contextlib.nullcontext():
-                g = _Graph(n, flat.numel(), segment, *((prev.out, prev.pe_out) if prev is not None else ()))
-                g.load(ids, flat, prev)
+                g = _Graph(n, segment, *((prev.out, prev.pe_out) if prev is not None else ()))
+                g.load(ids, length, prev)
                 self._segment_step(plan, g)
             graphs.append(g)
             prev = g
