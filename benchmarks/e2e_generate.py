@@ -291,14 +291,78 @@ def host_profile(target, mtp, ctl, args, label, out_dir) -> list[str]:
                          + (f"{busy_us(gpu) / wall:.0%}" if gpu else "n/a (no CUDA)")
                          + f"; per {'step' if name == 'plain' else 'round'}: {len(blocking) / steps:.1f} blocking CUDA calls, "
                          f"{sum(e.cpu_time_total for e in blocking) / 1e3 / steps:.2f} ms in them")
+            kind = "plain" if name == "plain" else "assisted"  # names that come back from the device ([A-Za-z0-9._-])
+            stem = f"host_profile_{label.split(',')[0].replace(' ', '')}_{kind}"
             if out_dir:
                 os.makedirs(out_dir, exist_ok=True)
-                kind = "plain" if name == "plain" else "assisted"  # names that come back from the device ([A-Za-z0-9._-])
-                path = os.path.join(out_dir, f"host_profile_{label.split(',')[0].replace(' ', '')}_{kind}.txt")
-                with open(path, "w") as f:
+                with open(os.path.join(out_dir, stem + ".txt"), "w") as f:
                     f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+            if torch.cuda.is_available():  # again with Python stacks: what the idle GPU waited for
+                ctl.rng = random.Random(SEED)
+                with profile(activities=activities, with_stack=True) as prof:
+                    call()
+                    sync()
+                lines.extend(idle_gaps(prof, f"{label}, {name}", out_dir and os.path.join(out_dir, stem)))
     finally:
         mtp.candidate_generator_class = None
+    return lines
+
+
+def idle_gaps(prof, what: str, keep: str | None, top: int = 10) -> list[str]:
+    """The GPU's idle time per step or round of a profiled call, by what it waited for.  Steady state only:
+    from the end of the target's second forward (after the prompt, the MTP's pass over it and the first
+    captures).  Each gap before a kernel or copy is charged to the Python frames (the innermost two outside
+    torch) that launched it.  Python stacks slow the host ~2x: read the shares, not the times.  ``keep``:
+    also save the trace there (.json.gz)."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        if keep:
+            with open(path, "rb") as f, gzip.open(keep + ".json.gz", "wb") as g:
+                g.write(f.read())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    frames = sorted((e for e in events if e.get("cat") == "python_function"), key=lambda e: (e["ts"], -e["dur"]))
+    forwards = [e for e in frames if e["name"].startswith("nn.Module: DeepseekV4") and "ForCausalLM" in e["name"]
+                and "Mtp" not in e["name"]]
+    if len(forwards) < 3:
+        return [f"{what}: fewer than three target forwards in the trace"]
+    t0 = forwards[1]["ts"] + forwards[1]["dur"]
+    steps = sum(e["ts"] >= t0 for e in forwards)
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t0),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        return [f"{what}: no GPU activity in the trace"]
+    launches = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e),
+                      key=lambda e: e["ts"])
+    skip = ("torch/", "<built-in", "nn.Module", "e2e_generate.py", "_contextlib.py")
+    # the frames open at each launch: one sweep in time order, a stack per thread
+    who, open_, i = {}, {}, 0
+    for ev in launches:
+        while i < len(frames) and frames[i]["ts"] <= ev["ts"]:
+            open_.setdefault(frames[i]["tid"], []).append(frames[i])
+            i += 1
+        stack = open_.get(ev["tid"], [])
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < ev["ts"]:
+            stack.pop()
+        mine = [e for e in stack if e["ts"] + e["dur"] >= ev["ts"] and not e["name"].startswith(skip)]
+        who[ev["args"].get("correlation")] = " < ".join(e["name"].split("/")[-1] for e in mine[::-1][:2]) or "?"
+    idle, charged, end = 0.0, {}, t0
+    for g in gpu:
+        gap = g["ts"] - end
+        if gap > 0:
+            idle += gap
+            key = who.get(g["args"].get("correlation"), "?")
+            charged[key] = charged.get(key, 0.0) + gap
+        end = max(end, g["ts"] + g["dur"])
+    lines = [f"{what} (Python stacks, {steps} steady steps/rounds): GPU idle {idle / (end - t0):.0%} of "
+             f"{(end - t0) / 1e3:.1f} ms; idle per step/round by the frames that launched the work after it:"]
+    for key, us in sorted(charged.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / 1e3 / max(1, steps):7.3f} ms  {key[:150]}")
     return lines
 
 
