@@ -72,6 +72,10 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assert mtp.last_generation_stats.rounds > 0
     # the graphed state is what served the calls
     assert target._dsv4_target_graphs.sequence.get_seq_length() > 80
+    # a cache of the caller's own runs transformers' forward, on which the MTP reads its residual as on any target
+    own = RollbackDeepseekV4Cache(target.config, max_rollback=k)
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, past_key_values=own, **kw), plain)
+    assert own.get_seq_length() > 80
 
 
 def in_three_segments(model):

@@ -28,15 +28,15 @@ _INSTANCE_ATTRS = ("generate", "_get_candidate_generator")
 class _AssistedRun:
     """State of one assisted `generate` call."""
 
-    def __init__(self, mtp, target, num_assistant_tokens: int, auto: bool = False):
+    def __init__(self, mtp, target, num_assistant_tokens: int, auto: bool = False, graphs=None):
         self.mtp, self.target = mtp, target
         self.num_assistant_tokens = num_assistant_tokens  # with ``auto``: the most drafts a round may have
         self.auto = auto
         self.stats = GenerationStats(num_assistant_tokens, auto=auto)
         self._residual = None
-        # A graphed target runs its head inside its step and hands the residual over itself.
-        self._graphs = target.__dict__.get("_dsv4_target_graphs")
-        self._hook = None if self._graphs else target.model.hc_head.register_forward_pre_hook(self._capture)
+        # On its graphed cache a graphed target runs its head inside its step and hands the residual over itself.
+        self._graphs = graphs
+        self._hook = None if graphs is not None else target.model.hc_head.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._residual = args[0]
@@ -189,7 +189,7 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
             f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
         )
     kwargs[name] = cache
-    run = _AssistedRun(mtp, target, k, auto)
+    run = _AssistedRun(mtp, target, k, auto, cache.graphs if isinstance(cache, GraphedTargetCache) else None)
     mtp.last_generation_stats = run.stats
     mtp._active_run = run
     target._is_stateful = False  # instance attribute: this call only
