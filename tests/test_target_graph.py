@@ -74,7 +74,8 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assert target._dsv4_target_graphs.sequence.get_seq_length() > 80
     # a cache of the caller's own runs transformers' forward, on which the MTP reads its residual as on any target
     own = RollbackDeepseekV4Cache(target.config, max_rollback=k)
-    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, past_key_values=own, **kw), plain)
+    assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, past_key_values=own, **kw)
+    assert torch.equal(assisted, plain)
     assert own.get_seq_length() > 80
 
 
@@ -89,6 +90,14 @@ def in_three_segments(model):
 def head_apart(segments, device):
     """The head in a segment of its own, as on a device_map that puts the lm head on another GPU."""
     return segments + [target_graph._Segment(device, False, [], head=True)]
+
+
+def test_the_head_joins_the_last_segment_or_follows_it_on_its_own_device():
+    cpu, other = torch.device("cpu"), torch.device("meta")
+    joined = target_graph._with_head([target_graph._Segment(cpu, True, [0, 1])], cpu)
+    assert [(s.device, s.layers, s.head) for s in joined] == [(cpu, [0, 1], True)]
+    apart = target_graph._with_head([target_graph._Segment(cpu, True, [0, 1])], other)
+    assert [(s.device, s.layers, s.head) for s in apart] == [(cpu, [0, 1], False), (other, [], True)]
 
 
 @pytest.mark.tf_internals

@@ -207,8 +207,9 @@ class _FixedPlan:
             return torch.where(P < Lb, P % R, R + P - Lb).clamp(0, R + n - 1)
 
         def ring_writes(prefix, R):
-            c = min(n, R)
-            t[prefix + "w_row"], t[prefix + "w_slot"], t[prefix + "w_src"] = zeros(c), (L + n - c + arange(c)) % R, n - c + arange(c)
+            c = min(n, R)  # the last c rows of the forward go to slot pos % R
+            k = n - c + arange(c)
+            t[prefix + "w_row"], t[prefix + "w_slot"], t[prefix + "w_src"] = zeros(c), (L + k) % R, k
 
         j = arange(n)
         t = {"rows": zeros(1), "pos": L[:, None] + j, "pad_idx": j[None], "unpad_idx": j, "flat_pos": (L + j)[None],
