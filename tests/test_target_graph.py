@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
-from dsv4_mtp_hf.generation import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, mtp_decoding
+from dsv4_mtp_hf.generation import (CacheRollbackError, GraphedTargetCache, MtpCandidateGenerator,
+                                    RollbackDeepseekV4Cache, mtp_decoding)
 from dsv4_mtp_hf.generation import target_graph
 from dsv4_mtp_hf.generation.binding import _cache_kwarg
 
@@ -77,6 +78,81 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, past_key_values=own, **kw)
     assert torch.equal(assisted, plain)
     assert own.get_seq_length() > 80
+
+
+class TruthWithMistakes(MtpCandidateGenerator):
+    """Drafts the target's greedy continuation (``truth``) with a mistake at each position of ``wrong_at``,
+    on both drafting paths (the round graph's, run eagerly on CPU, and the per-token one of K=1); the real
+    MTP still runs and fills, rolls back and recomputes its cache."""
+
+    fast_drafts = "eager"
+    truth: torch.Tensor = None
+    wrong_at: set = set()
+
+    def _draft(self, at: int, tokens: torch.Tensor) -> torch.Tensor:
+        truth = self.truth[0, at : at + tokens.shape[1]].tolist()
+        out = [t + 1 if at + i in self.wrong_at else t for i, t in enumerate(truth)]
+        return torch.tensor([out + tokens[0, len(out):].tolist()], device=tokens.device)
+
+    def _round_result(self, input_ids, tokens, logits):
+        return super()._round_result(input_ids, self._draft(input_ids.shape[1], tokens), logits)
+
+    def select(self, processed_logits, sequence):
+        return self._draft(sequence.shape[1], torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypatch):
+    """On a graphed target a greedy call without logits processors runs our loop (assisted_loop), not
+    transformers': the drafts half right, the output equals plain greedy generate at every length, cut at an
+    EOS as plain cuts it, the streamer sees what the call returns, and the statistics count what happened."""
+    from transformers.generation.streamers import BaseStreamer
+
+    from dsv4_mtp_hf.generation import assisted_loop
+
+    seed = SEED + 20
+    print(f"seed={seed}")
+    target, mtp = tiny_pair(seed=seed)
+    ids = ids_of(seed, 9)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    rng = random.Random(seed)
+    TruthWithMistakes.truth = plain
+    TruthWithMistakes.wrong_at = {p for p in range(9, 69) if rng.random() < 0.3}
+    graph_target(target, max_length=128)
+    loops = []
+    real = assisted_loop.decode
+    monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mtp, "candidate_generator_class", TruthWithMistakes)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, value):
+            self.seen += value.reshape(-1).tolist()
+
+        def end(self):
+            self.ended = True
+
+    for n in (1, 2, 5, 13, 60):
+        streamer = Collect()
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, streamer=streamer)
+        assert torch.equal(got, plain[:, : 9 + n]), f"max_new_tokens={n}"
+        assert streamer.seen == got[0].tolist() and streamer.ended
+    stats = mtp.last_generation_stats
+    assert 0 < stats.accepted < stats.drafted and stats.new_tokens == 60
+    for at in (9 + 4, 9 + 30):  # an EOS the target emits early, then one inside a later round
+        eos = int(plain[0, at])
+        want = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=eos)
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=60, do_sample=False,
+                              eos_token_id=eos)
+        assert torch.equal(got, want) and int(got[0, -1]) == eos
+    assert len(loops) == 7
+    kw = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3)  # a logits processor
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw), target.generate(ids, **kw))
+    assert len(loops) == 7  # transformers' loop served it
 
 
 def in_three_segments(model):
@@ -263,8 +339,10 @@ def test_assisted_generate_on_the_graphed_cuda_target_equals_its_plain_generate(
     target, mtp = _gpu_target(SEED + 1)
     graphs = graph_target(target, max_length=256)
     ids = ids_of(SEED + 1, 4, device="cuda")  # a prompt no longer than a verify: still the eager prefill
-    kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)
+    assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw)  # our loop
     assert torch.equal(assisted, plain)
     assert {1, 4} <= set(graphs._graphs)  # plain steps and 4-row verifies replayed graphs
+    kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)  # a logits processor: transformers' loop
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), target.generate(ids, **kw))

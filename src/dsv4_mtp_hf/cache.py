@@ -219,14 +219,19 @@ class PagedMtpKVCache:
         self.seq_lengths.add_(s)  # in place: a captured CUDA graph replays this update
         return keys, positions
 
-    def crop(self, max_length) -> None:
+    def crop(self, max_length, check: bool = True) -> None:
         """Roll back: an int applies to every sequence (negative: drop that many), a tensor
-        ``[B]`` gives each sequence its new length.  O(1): only the lengths move."""
+        ``[B]`` gives each sequence its new length.  O(1): only the lengths move.  ``check=False``
+        skips the bounds checks, which read the lengths on the host (two synchronisations), for a
+        caller whose own bookkeeping bounds the drop (the graphed round's K - 1 draft rows)."""
         if isinstance(max_length, torch.Tensor) and max_length.dim() == 1:
             new = max_length.to(self.seq_lengths)
         else:
             m = int(max_length)
             new = self.seq_lengths + m if m < 0 else torch.full_like(self.seq_lengths, m)
+        if not check:
+            self.seq_lengths.copy_(new)
+            return
         if bool(((new < 0) | (new > self.seq_lengths)).any()):
             raise ValueError(f"cannot crop MTP sequences of lengths {self.seq_lengths.tolist()} to {new.tolist()}.")
         if bool((self.seq_lengths - new > self.capacity - (self.sliding_window - 1)).any()):

@@ -6,6 +6,8 @@ attributes on the ONE target object (`generate` and `_get_candidate_generator`),
 defer to the class's own methods unless this MTP is the `assistant_model`.  Only inside
 such a call does the target get a rollback-able cache, a hook that hands its pre-`hc_head`
 residual to the draft, and `_is_stateful = False`.  `unbind()` removes all of it.
+On a graphed target the call decodes through our loop (:mod:`.assisted_loop`), handed to
+``generate`` as its ``custom_generate``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import weakref
 
 import torch
 
+from . import assisted_loop
 from .candidate import MtpCandidateGenerator
 from .draft_length import AUTO_MAX_DRAFTS
 from .stats import GenerationStats
@@ -87,6 +90,33 @@ def _cache_kwarg(target) -> str:
     return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
 
 
+def _candidates(mtp, run, generation_config, logits_processor):
+    """The call's candidate generator: ``mtp.candidate_generator_class`` (a benchmark's or a test's), else ours."""
+    return (mtp.candidate_generator_class or MtpCandidateGenerator)(
+        mtp, run, generation_config, logits_processor=logits_processor
+    )
+
+
+def _graphed_decoding(mtp, run, name, streamer, synced_gpus):
+    """The ``custom_generate`` callable of an assisted call on a graphed target: our loop
+    (:mod:`.assisted_loop`) where it serves the call, else transformers' own, with generate's
+    prepared arguments either way.  ``streamer`` and ``synced_gpus`` are the call's own (generate
+    hands a callable neither)."""
+
+    def decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
+                 **model_kwargs):
+        if assisted_loop.serves(logits_processor, stopping_criteria, generation_config, synced_gpus):
+            candidates = _candidates(mtp, run, generation_config, logits_processor)
+            return assisted_loop.decode(model, candidates, name, input_ids, stopping_criteria, streamer,
+                                        **model_kwargs)
+        return type(model)._assisted_decoding(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=mtp, **model_kwargs,
+        )
+
+    return decoding
+
+
 def attach(mtp, target) -> None:
     drafts = target.__dict__.get("_dsv4_mtp_drafts")
     if drafts is not None:  # another draft may share this target
@@ -128,9 +158,7 @@ def ensure_wrapped(target) -> None:
         run = getattr(assistant, "_active_run", None)
         if run is None or run.target is not target:
             return cls_get_candidate_generator(target, *args, **kwargs)
-        return (assistant.candidate_generator_class or MtpCandidateGenerator)(
-            assistant, run, kwargs["generation_config"], logits_processor=kwargs.get("logits_processor")
-        )
+        return _candidates(assistant, run, kwargs["generation_config"], kwargs.get("logits_processor"))
 
     target.generate = generate
     target._get_candidate_generator = _get_candidate_generator
@@ -189,7 +217,12 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
             f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
         )
     kwargs[name] = cache
-    run = _AssistedRun(mtp, target, k, auto, cache.graphs if isinstance(cache, GraphedTargetCache) else None)
+    graphed = isinstance(cache, GraphedTargetCache)
+    run = _AssistedRun(mtp, target, k, auto, cache.graphs if graphed else None)
+    if graphed and kwargs.get("custom_generate") is None:
+        call = inspect.signature(cls_generate).bind_partial(target, *args, **kwargs).arguments
+        kwargs["custom_generate"] = _graphed_decoding(mtp, run, name, call.get("streamer"),
+                                                      bool(call.get("synced_gpus")))
     mtp.last_generation_stats = run.stats
     mtp._active_run = run
     target._is_stateful = False  # instance attribute: this call only

@@ -67,6 +67,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         self.last_drafted = 0
         self.last_input_length = None
         self.round_limit = self.num_assistant_tokens  # drafts handed to the verifier this round
+        self.verifier_cuts_at_eos = VERIFIER_CUTS_AT_EOS  # our own loop (assisted_loop) cuts at EOS too
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -156,8 +157,12 @@ class MtpCandidateGenerator(CandidateGenerator):
                 f"last forward produced {None if residual is None else residual.shape[1]} residual rows."
             )
         mtp, device = self.mtp, self.mtp.e_proj.weight.device
-        # Roll the draft rows back and recompute the verified ones from the target's residual.
-        self.cache.crop(self.confirmed_rows)
+        # Roll the draft rows back and recompute the verified ones from the target's residual.  The paged
+        # cache's drop is the last round's K - 1 draft rows, within its ring by construction: no host check.
+        if self.drafter is not None:
+            self.cache.crop(self.confirmed_rows, check=False)
+        else:
+            self.cache.crop(self.confirmed_rows)
         budget = min(self.num_assistant_tokens, self.max_length - length - 1)
         self.round_limit = self.num_assistant_tokens
         if self.draft_length is not None:
@@ -241,7 +246,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         an EOS (the rows of the dropped drafts are rolled back next round).  No host read where the verifier
         cuts at EOS itself: the host goes on to the verify while the GPU still drafts."""
         keep = min(self.round_limit, tokens.shape[1])
-        if self.eos_token_ids and not VERIFIER_CUTS_AT_EOS:
+        if self.eos_token_ids and not self.verifier_cuts_at_eos:
             ids = tokens[0, :keep].tolist()  # one host read for the whole round
             keep = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), len(ids))
         self.last_drafted = keep
