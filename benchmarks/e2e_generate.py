@@ -17,7 +17,7 @@ Every case checks that the output equals plain greedy ``generate`` token for tok
 per case: tokens/s, speedup over plain, tokens per round, and the split of a round into the
 target's verify forward, the MTP's work (both GPU time between CUDA events) and host glue (the
 rest of the round's wall time), without the first draft round's one-off MTP pass over the prompt
-(``prompt mtp``, printed on its own).  With two ``--layers`` values the speedup at ``--project``
+(``prompt mtp``, printed on its own); for plain, ``prompt`` is a whole ``generate`` of one token.  With two ``--layers`` values the speedup at ``--project``
 layers (V4-Flash: 43) is extrapolated linearly in the layer count -- labelled as a projection.
 
     python benchmarks/e2e_generate.py --out $OUT                 # 2 and 5 layers, one H200
@@ -199,8 +199,10 @@ def assisted_cases(target, mtp, ctl, args, rows, checks, label):
     step = (t_plain - t_one) / (n - 1)
     checks[f"{label}: plain output is the controlled chain"] = plain[0, args.prompt:].tolist() == chain(
         int(prompt[0, -1]), n, ctl.vocab)
+    # prompt_ms: a whole generate of one token (the prompt's forward and generate's own setup)
     rows.append(dict(label=label, case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
-                     round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0))
+                     round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0,
+                     prompt_ms=1e3 * t_one))
     mtp.candidate_generator_class = make_generator_class(ctl)
     try:
         for k in args.ks:
@@ -523,14 +525,15 @@ def report(rows, checks, layers: int) -> None:
     for name, ok in checks.items():
         print(f"check: {name}: {ok}")
     print(f"\n{'target':<10} {'case':<9} {'K':>2} {'tok/s':>8} {'speedup':>7} {'tok/rnd':>7} {'round ms':>8} "
-          f"{'verify':>7} {'mtp':>6} {'glue':>6} {'x step':>6} {'prompt mtp':>10}")
+          f"{'verify':>7} {'mtp':>6} {'glue':>6} {'x step':>6} {'prompt':>7} {'prompt mtp':>10}")
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
         if "b" in r:
             continue
         print(f"{r['label']:<10} {r['case']:<9} {r['k']:>2} {r['tok_s']:>8.1f} {r['speedup']:>6.2f}x "
               f"{r['tok_round']:>7.2f} {r['round_ms']:>8.2f} {fmt(r['target_ms']):>7} {fmt(r['mtp_ms']):>6} "
-              f"{fmt(r['glue_ms']):>6} {r['x_plain_step']:>6.2f} {fmt(r.get('prompt_mtp_ms')):>10}")
+              f"{fmt(r['glue_ms']):>6} {r['x_plain_step']:>6.2f} {fmt(r.get('prompt_ms')):>7} "
+              f"{fmt(r.get('prompt_mtp_ms')):>10}")
     batched = [r for r in rows if "b" in r]
     if batched:
         print(f"\n{'target':<10} {'case':<17} {'B':>3} {'K':>2} {'tok/s':>8} {'ragged tok/s':>12} {'padded tok/s':>12} "

@@ -185,7 +185,7 @@ def test_the_fixed_plan_a_graph_computes_equals_the_host_plan(overrides):
     target, _ = tiny_pair(seed=0, target_overrides=overrides)
     capacity, K = 60, 4
     state = BatchedTargetState(target.config, 1, max_rollback=K, capacity=capacity)
-    for n in range(1, K + 2):
+    for n in list(range(1, K + 2)) + [8, 16]:  # verify widths, and prompt chunks (powers of two)
         for length in range(0, capacity - n + 1):
             state.lengths[0] = state.high[0] = length
             host = state.plan([0], [n])
@@ -197,6 +197,6 @@ def test_the_fixed_plan_a_graph_computes_equals_the_host_plan(overrides):
                     f"n={n} L={length}: {key} is {got[key].tolist()}, the host plan's {want[key].tolist()}")
             assert state.fixed_plan(n).streams == host.streams and state.fixed_plan(n).ring == host.ring
     with pytest.raises(ValueError, match="capacity=60"):
-        state.fixed_plan(K + 2)  # from length 60 - 5
+        state.fixed_plan(17)  # from length 60 - 16
     with pytest.raises(ValueError, match="one sequence slot with a capacity"):
         BatchedTargetState(target.config, 2, max_rollback=K, capacity=capacity).fixed_plan(1)

@@ -300,16 +300,17 @@ def _graphed_logits(target, steps, seed, use_graphs, compile, K=3):
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
 def test_graph_replays_equal_the_same_step_run_eagerly_on_cuda(compile):
     """The replays read the indices planned for each forward (nothing baked in at capture): through
-    49 forwards of 1-4 rows with random crops they give what the same fixed-shape step gives without
-    the graph (compiled or not, as captured).
+    49 forwards of 1-4 rows with random crops, and a long one replayed as power-of-two chunks, they give
+    what the same fixed-shape step gives without the graph (compiled or not, as captured).
     (Against transformers' bf16 forward the step differs by bf16 noise, and a router or indexer
     choice near a tie can flip on random weights, so that comparison is the float32 CPU test's.)"""
     print(f"seed={SEED}")
     target, _ = _gpu_target(SEED)
     rng = random.Random(SEED)
-    steps = [13] + [rng.randint(1, 4) for _ in range(48)]
+    steps = [13] + [rng.randint(1, 4) for _ in range(24)] + [45] + [rng.randint(1, 4) for _ in range(24)]
     replayed, graphs = _graphed_logits(target, steps, SEED, True, compile)
-    assert set(graphs._graphs) == {1, 2, 3, 4} and graphs.compiled == compile  # every decode shape replayed
+    # every decode shape replayed, and the 45 rows as chunks of 32, 8, 4 and 1 (uncompiled past max_rows)
+    assert set(graphs._graphs) == {1, 2, 3, 4, 8, 32} and graphs.compiled == compile
     eager, _ = _graphed_logits(target, steps, SEED, False, compile)
     for i, (a, b) in enumerate(zip(replayed, eager)):
         rel = float((a - b).norm() / b.norm())

@@ -23,8 +23,12 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   kernels; our custom ops (mHC, FP4 MoE) stay opaque;
 * the head runs inside the step, so forward hooks on ``hc_head``, ``norm`` and ``lm_head`` do
   not fire there (as on the layers; hooks on the target itself do).  The residual the MTP
-  drafts from is handed over by :meth:`TargetGraphs.take_residual`.  Longer forwards (the
-  prompt) run the same layers eagerly, in chunks, planned on the host.
+  drafts from is handed over by :meth:`TargetGraphs.take_residual`;
+* longer forwards (the prompt) replay power-of-two chunks of at most ``prompt_chunk`` rows,
+  longest first, as graphs of the uncompiled step without the head (no compile per chunk size;
+  the chunks of up to ``max_rows`` rows are the decode graphs).  The first forward of all runs
+  eagerly, planned on the host: it allocates the state's buffers, so that no compiled call or
+  capture meets them unallocated.
 
 The state rolls back by moving its length (:class:`GraphedTargetCache.crop`), so assisted
 generation with the MTP works on top of it.  On CPU the same fixed-shape step runs eagerly.
@@ -195,6 +199,8 @@ class TargetGraphs:
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
         self._residual = None
+        self._allocated = False  # the state's buffers exist (after the first forward)
+        self.prompt_chunk = 256  # the longest chunk a prompt replays as one graph (a power of two)
 
     def take_residual(self) -> torch.Tensor | None:
         """The streams ``[1, n, hc, D]`` the last forward fed its head (what the MTP drafts from), once."""
@@ -243,9 +249,13 @@ class TargetGraphs:
         if n <= self.max_rows and past > 0:
             residual, logits = self._fixed_step(ids, n)
             logits = logits[:, keep].clone()  # the next replay overwrites the graph's output
-        else:  # the prompt: the same fixed-shape layers, eagerly, in chunks.  It also allocates the state's
-            # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
-            residual = self.runner._batched([ids[0]], [self.sequence], [n]).unsqueeze(0)
+        else:
+            if self._allocated:  # a prompt (or a long chunk): graph replays of power-of-two chunks
+                residual = self._chunked(ids, n)
+            else:  # the first forward runs eagerly, in chunks, planned on the host.  It allocates the state's
+                # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
+                residual = self.runner._batched([ids[0]], [self.sequence], [n]).unsqueeze(0)
+                self._allocated = True
             residual = residual.to(self.segments[-1].device)
             logits = _graph_head(self.target.model, self.target.lm_head, residual[:, keep])
         self._residual = residual
@@ -268,18 +278,32 @@ class TargetGraphs:
     def _segment_step(self, plan, g: _Graph) -> None:
         """One segment's share of a forward for the rows of ``plan``, reading ``g``'s static inputs:
         the embedding (first segment), the segment's layers and the head (last segment).  Sets
-        ``g.out`` / ``g.pe_out`` (and ``g.logits``)."""
-        t = self._indices(plan, g.length)  # the forward's indices, computed inside the graph
+        ``g.out`` / ``g.pe_out`` (and ``g.logits``).  Decode shapes (``n <= max_rows``) run compiled
+        and with the head; prompt chunks uncompiled (no compile per chunk size) and without it."""
+        decode = plan.N <= self.max_rows
+        block, indices = (self._block, self._indices) if decode else (_graph_block, _fixed_indices)
+        t = indices(plan, g.length)  # the forward's indices, computed inside the graph
         model, state, runner = self.target.model, self.state, self.runner
         if g.segment.embeds:
             pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
         else:
             pe, hidden = g.pe, g.hidden
         for idx in g.segment.layers:
-            hidden = self._block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
+            hidden = block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
         g.out, g.pe_out = hidden, pe
-        if g.segment.head:
+        if g.segment.head and decode:
             g.logits = self._head(model, self.target.lm_head, hidden)
+
+    def _chunked(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """A forward of ``n`` rows as fixed steps of power-of-two rows, longest first (at most
+        ``prompt_chunk``): any prompt replays at most ~log2(n) + n / prompt_chunk graphs, and the chunks of
+        up to ``max_rows`` rows are the decode steps' own.  -> the streams ``[1, n, hc, D]``."""
+        outs, a = [], 0
+        while a < n:
+            c = min(self.prompt_chunk, 1 << ((n - a).bit_length() - 1))
+            outs.append(self._fixed_step(ids[:, a : a + c], c)[0])
+            a += c
+        return torch.cat(outs, dim=1)
 
     def _fixed_step(self, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A forward of ``n <= max_rows`` rows: graph replays, or (first time, or on CPU) the step itself.
