@@ -80,6 +80,20 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assert own.get_seq_length() > 80
 
 
+@pytest.mark.tf_internals
+def test_a_prompt_computes_the_same_on_the_targets_first_forward_and_later_ones():
+    """Every prompt runs the same chunk steps, the first one included (it only allocates the state first):
+    so plain and assisted calls, first or not, start from bitwise the same logits and residual."""
+    print(f"seed={SEED}")
+    target, _ = tiny_pair(seed=SEED)
+    graphs = graph_target(target, max_length=64)
+    ids, name = ids_of(SEED, 13), _cache_kwarg(target)
+    first = target(ids, **{name: graphs.new_cache()}).logits
+    first_residual = graphs.take_residual()
+    again = target(ids, **{name: graphs.new_cache()}).logits
+    assert torch.equal(first, again) and torch.equal(first_residual, graphs.take_residual())
+
+
 class TruthWithMistakes(MtpCandidateGenerator):
     """Drafts the target's greedy continuation (``truth``) with a mistake at each position of ``wrong_at``,
     on both drafting paths (the round graph's, run eagerly on CPU, and the per-token one of K=1); the real
@@ -328,7 +342,8 @@ def test_segment_graphs_replay_what_one_graph_replays_on_cuda(monkeypatch):
     whole, _ = _graphed_logits(target, steps, SEED + 2, True, True)
     monkeypatch.setattr(target_graph, "_segments", in_three_segments)
     parts, graphs = _graphed_logits(target, steps, SEED + 2, True, True)
-    assert all(len(gs) == 3 for gs in graphs._graphs.values()) and set(graphs._graphs) == {1, 2, 3, 4}
+    # the decode shapes, and the prompt's 13 rows as chunks of 8, 4 and 1
+    assert all(len(gs) == 3 for gs in graphs._graphs.values()) and set(graphs._graphs) == {1, 2, 3, 4, 8}
     for i, (a, b) in enumerate(zip(parts, whole)):
         rel = float((a - b).norm() / b.norm())
         assert rel < 1e-3, f"forward {i} ({steps[i]} rows): segments vs whole relative difference {rel:.3g}"

@@ -26,9 +26,9 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   drafts from is handed over by :meth:`TargetGraphs.take_residual`;
 * longer forwards (the prompt) replay power-of-two chunks of at most ``prompt_chunk`` rows,
   longest first, as graphs of the uncompiled step without the head (no compile per chunk size;
-  the chunks of up to ``max_rows`` rows are the decode graphs).  The first forward of all runs
-  eagerly, planned on the host: it allocates the state's buffers, so that no compiled call or
-  capture meets them unallocated.
+  the chunks of up to ``max_rows`` rows are the decode graphs).  Before the first forward of all
+  one row runs eagerly, planned on the host, and is discarded: it allocates the state's buffers,
+  so that no compiled call or capture meets them unallocated.
 
 The state rolls back by moving its length (:class:`GraphedTargetCache.crop`), so assisted
 generation with the MTP works on top of it.  On CPU the same fixed-shape step runs eagerly.
@@ -199,7 +199,7 @@ class TargetGraphs:
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
         self._residual = None
-        self._allocated = False  # the state's buffers exist (after the first forward)
+        self._allocated = False  # the state's buffers exist (`_allocate`, before the first forward)
         self.prompt_chunk = 256  # the longest chunk a prompt replays as one graph (a power of two)
 
     def take_residual(self) -> torch.Tensor | None:
@@ -249,14 +249,10 @@ class TargetGraphs:
         if n <= self.max_rows and past > 0:
             residual, logits = self._fixed_step(ids, n)
             logits = logits[:, keep].clone()  # the next replay overwrites the graph's output
-        else:
-            if self._allocated:  # a prompt (or a long chunk): graph replays of power-of-two chunks
-                residual = self._chunked(ids, n)
-            else:  # the first forward runs eagerly, in chunks, planned on the host.  It allocates the state's
-                # buffers, so every compiled call sees them allocated (else capture would recompile: an error)
-                residual = self.runner._batched([ids[0]], [self.sequence], [n]).unsqueeze(0)
-                self._allocated = True
-            residual = residual.to(self.segments[-1].device)
+        else:  # a prompt (or a long chunk): graph replays of power-of-two chunks
+            if not self._allocated:
+                self._allocate(ids)
+            residual = self._chunked(ids, n).to(self.segments[-1].device)
             logits = _graph_head(self.target.model, self.target.lm_head, residual[:, keep])
         self._residual = residual
         return output_class(logits=logits, **{cache_name: cache})
@@ -293,6 +289,15 @@ class TargetGraphs:
         g.out, g.pe_out = hidden, pe
         if g.segment.head and decode:
             g.logits = self._head(model, self.target.lm_head, hidden)
+
+    def _allocate(self, ids: torch.Tensor) -> None:
+        """Before the first forward: one row eagerly through the host-planned layers allocates the state's
+        buffers, so that no compiled call or capture meets them unallocated (a capture would recompile: an
+        error); the sequence is emptied again.  Every prompt, the first included, then runs the same chunk
+        graphs, so a prompt's logits do not depend on whether it is the target's first."""
+        self.runner._batched([ids[0, :1]], [self.sequence], [1])
+        self.state.lengths[0] = self.state.high[0] = 0
+        self._allocated = True
 
     def _chunked(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """A forward of ``n`` rows as fixed steps of power-of-two rows, longest first (at most
