@@ -30,7 +30,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from draft_step import fill_random_  # noqa: E402
+from draft_step import fill_random_, init_rotary_  # noqa: E402
 
 from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, load_demo_pair  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -70,8 +70,8 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
         router = layer.mlp.gate
         if hasattr(router, "tid2eid"):  # hash routing: a fixed random token -> distinct experts table
             e, k = tc.n_routed_experts, tc.num_experts_per_tok
-            router.tid2eid.copy_(torch.rand(tc.vocab_size, e, device=router.tid2eid.device).argsort(-1)[:, :k])
-    target.model.rotary_emb.__init__(tc, device=dev(0))
+            router.tid2eid.copy_(torch.rand(tc.vocab_size, e, generator=gen).argsort(-1)[:, :k])
+    init_rotary_(target, tc)
     target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
     target.eval()
     with torch.device("meta"):

@@ -65,6 +65,18 @@ def fill_random_(module: torch.nn.Module, gen: torch.Generator) -> None:
                 t.copy_(0.02 * torch.randn(t.shape, generator=gen, device=t.device))
 
 
+def init_rotary_(target, config) -> None:
+    """Every RoPE table of the target -- the model's, and each compressor's and indexer's -- computed from the
+    config: ``to_empty`` leaves their buffers uninitialised and :func:`fill_random_` skips them (garbage
+    frequencies made a tiny run's logits NaN now and then)."""
+    rope = type(target.model.rotary_emb)
+    for module in target.modules():
+        if isinstance(module, rope):
+            device = next(module.buffers()).device
+            module.__init__(config)
+            module.to(device)
+
+
 def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator, experts: int | None = None):
     """A V4(-Flash)-shaped bf16 target and its bound MTP (reference attention), random weights
     drawn from ``gen``; the MTP's dense weights in bf16 as a user would load them.  ``experts``:
@@ -82,7 +94,7 @@ def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator, experts: in
     for name, prm in mtp.named_parameters():
         if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
             prm.data = prm.data.to(torch.bfloat16)
-    target.model.rotary_emb.__init__(tc, device=dev)
+    init_rotary_(target, tc)
     mtp.bind(target)
     return target, mtp
 

@@ -80,7 +80,10 @@ def measure(target, prompt, args, label: str) -> dict:
     moe_out = torch.cat([layer.mlp(h[:, :1]), layer.mlp(h[:, :4]), layer.mlp(h)], dim=1).float()  # T = 1, 4, 16
     logits = target(prompt).logits[0, -8:].float()
     graphs = graphed(target)  # the graphed step's GPU time alone: its 1-row graph replayed back to back
-    replay_ms = gpu_ms(graphs._graphs[1].graph.replay, args.iters) if graphs and 1 in graphs._graphs else None
+    if graphs and 1 in graphs._graphs:  # one graph per device segment (one on one GPU)
+        replay_ms = gpu_ms(lambda: [g.graph.replay() for g in graphs._graphs[1]], args.iters)
+    else:
+        replay_ms = None
     return dict(label=label, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_ms, expert_gb=expert_bytes(target) / 1e9,
                 replay_ms=replay_ms, tokens=tokens, logits=logits, moe_out=moe_out)
 
