@@ -180,59 +180,6 @@ def test_round_is_the_catch_up_forward_then_the_draft_steps():
         drafter.round(ids[:, :0], hs[:, :0])
 
 
-def _prompt_case(device, sizes=None, n=45):
-    target, mtp = tiny_pair(max_draft_tokens=4, target_overrides=sizes)
-    mtp = mtp.to(device)
-    gen = torch.Generator().manual_seed(SEED + 2)
-    print(f"seed={SEED + 2}")
-    ids, hs = step_inputs(mtp, 1, n, gen)
-    return mtp, ids.to(device), hs.to(device)
-
-
-def test_a_prompts_catch_up_in_chunks_equals_one_forward_over_its_rows():
-    """`GraphedDrafter.catch_up` (eager here) appends a prompt's rows in power-of-two chunks (32, 8, 1 of 41):
-    the same cache as one plain forward over them, so the round after it drafts the same tokens."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
-
-    mtp, ids, hs = _prompt_case("cpu")
-    with torch.no_grad():
-        chunked = mtp.new_cache(paged=True, batch_size=1)
-        drafter = GraphedDrafter(mtp, chunked, num_drafts=2)
-        drafter.use_graph = False
-        drafter.catch_up(ids[:, :41], hs[:, :41])
-        assert sorted(drafter.catch_up_graphs) == [1, 8, 32] and int(chunked.seq_lengths) == 41
-        got_d, got_l = drafter.round(ids[:, 41:], hs[:, 41:])
-        whole = mtp.new_cache(paged=True, batch_size=1)
-        mtp(ids[:, :41], hs[:, :41], past_key_values=whole)
-        other = GraphedDrafter(mtp, whole, num_drafts=2)
-        other.use_graph = False
-        want_d, want_l = other.round(ids[:, 41:], hs[:, 41:])
-    assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_l, want_l, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.gpu
-def test_catch_up_graphs_replay_their_eager_chunks_on_cuda():
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
-
-    mtp, ids, hs = _prompt_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
-    with torch.no_grad():
-        results = []
-        for use_graph in (True, False):
-            cache = mtp.new_cache(paged=True, batch_size=1)
-            drafter = GraphedDrafter(mtp, cache, num_drafts=2)
-            drafter.use_graph = use_graph
-            drafter.catch_up(ids[:, :20], hs[:, :20])  # 16 + 4
-            drafter.catch_up(ids[:, 20:41], hs[:, 20:41])  # 16 + 4 + 1: the 16- and 4-row graphs replayed again
-            drafter.use_graph = False  # the same eager round after either
-            results.append([t.clone() for t in drafter.round(ids[:, 41:], hs[:, 41:])])
-            if use_graph:
-                assert all(g[0] is not None for g in drafter.catch_up_graphs.values())
-    (gd, gl), (ed, el) = results
-    assert torch.equal(gd, ed)
-    torch.testing.assert_close(gl, el, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True], ids=["uncompiled", "compiled"])
 def test_round_graphs_replay_their_eager_rounds_on_cuda(compile):

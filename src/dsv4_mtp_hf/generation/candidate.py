@@ -170,14 +170,12 @@ class MtpCandidateGenerator(CandidateGenerator):
             if self.confirmed_rows == 0:
                 self.draft_length.skip_timing()  # this round also runs the MTP over the whole prompt
         d = self.drafter
-        if d is not None and budget == self.num_assistant_tokens and d.attention_plans is None:
+        if (d is not None and budget == self.num_assistant_tokens and new_rows <= d.max_round_rows
+                and d.attention_plans is None):
             # The whole round -- the verified rows' catch-up, the first draft, the recursive ones -- as one
-            # graph replay per row count.  A prompt's rows before its last round's catch up first, in
-            # power-of-two chunk graphs (no drafting).
-            head, first = new_rows - min(new_rows, d.max_round_rows), self.confirmed_rows + 1
-            if head:
-                d.catch_up(input_ids[:, first : first + head].to(device), residual[:, :head])
-            tokens, logits = d.round(input_ids[:, first + head : length].to(device), residual[:, head:new_rows])
+            # graph replay per row count, then one host read.
+            tokens, logits = d.round(input_ids[:, self.confirmed_rows + 1 : length].to(device),
+                                     residual[:, :new_rows])
             self.confirmed_rows = length - 1
             return self._round_result(input_ids, tokens, logits)
         # Long prompts go through the cache in blocks (bounded activation memory; exact).

@@ -48,9 +48,6 @@ class GraphedDrafter:
                                           device=w.device)
         self._row_offsets = torch.arange(self.max_round_rows, device=w.device)
         self.round_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        # A prompt's catch-up (``catch_up``): power-of-two chunks of at most ``catch_up_chunk`` rows, one graph each.
-        self.catch_up_chunk = 256
-        self.catch_up_graphs: dict[int, tuple] = {}  # rows -> (graph or None, static ids, static residual, the rows)
         # FlashInfer attention only when named: under "auto" the drafted steps keep the reference attention,
         # which torch.compile fuses and captures (inside the graph FlashInfer measured no faster at these shapes,
         # BENCHMARKS.md, and its per-drafter plan handle would make torch.compile specialise per drafter).
@@ -134,41 +131,6 @@ class GraphedDrafter:
         graph, out = self.round_graphs[rows]
         graph.replay()
         return out
-
-    def catch_up(self, ids: torch.Tensor, residual: torch.Tensor) -> None:
-        """MTP rows appended to the cache without drafting, from ``ids [B, n]`` (the tokens t_{p+1}) and the
-        target's ``residual [B, n, hc_mult, D]`` at those rows: a prompt's rows before its last round's.  Power-of-
-        two chunks of at most ``catch_up_chunk`` rows, longest first, each one graph replay (captured the first
-        time its size occurs; the uncompiled rows, reference attention), no host synchronisation."""
-        a, n = 0, ids.shape[1]
-        while a < n:
-            c = min(self.catch_up_chunk, 1 << ((n - a).bit_length() - 1))
-            self._catch_up_chunk(ids[:, a : a + c], residual[:, a : a + c])
-            a += c
-
-    def _catch_up_chunk(self, ids: torch.Tensor, residual: torch.Tensor) -> None:
-        c = ids.shape[1]
-        if c not in self.catch_up_graphs:
-            ids_in, residual_in = torch.zeros_like(self.round_ids[:, :1]).repeat(1, c), residual.clone()
-
-            def rows():
-                positions = self.cache.seq_lengths.clone().unsqueeze(1) + torch.arange(c, device=ids_in.device)
-                self.mtp._rows(ids_in, residual_in, positions, self.cache, 1, self.draft_vocab, self.attention_backend)
-
-            graph = None
-            if self.use_graph:
-                self._check_capturable()
-                ids_in.copy_(ids)
-                with torch.cuda.device(self.mtp.e_proj.weight.device):
-                    graph, _ = self._record_graph(rows, warmup=1)
-            self.catch_up_graphs[c] = (graph, ids_in, residual_in, rows)
-        graph, ids_in, residual_in, rows = self.catch_up_graphs[c]
-        ids_in.copy_(ids)
-        residual_in.copy_(residual)
-        if graph is None:
-            rows()
-        else:
-            graph.replay()
 
     def capture(self, warmup: int = 2) -> None:
         """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
