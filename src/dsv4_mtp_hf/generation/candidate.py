@@ -164,14 +164,18 @@ class MtpCandidateGenerator(CandidateGenerator):
         else:
             self.cache.crop(self.confirmed_rows)
         budget = min(self.num_assistant_tokens, self.max_length - length - 1)
+        if budget < 1:  # the verify's own token ends the generation: no MTP work (a later call catches up)
+            self.last_drafted = 0
+            return input_ids, None
         self.round_limit = self.num_assistant_tokens
         if self.draft_length is not None:
             self.round_limit = self.draft_length.choose()
             if self.confirmed_rows == 0:
                 self.draft_length.skip_timing()  # this round also runs the MTP over the whole prompt
         d = self.drafter
-        if (d is not None and budget == self.num_assistant_tokens and new_rows <= d.max_round_rows
-                and d.attention_plans is None):
+        if d is not None:  # near max_length the graphs still draft K, and the verifier gets `budget` of them
+            self.round_limit = min(self.round_limit, budget)
+        if d is not None and new_rows <= d.max_round_rows and d.attention_plans is None:
             # The whole round -- the verified rows' catch-up, the first draft, the recursive ones -- as one
             # graph replay per row count, then one host read.
             tokens, logits = d.round(input_ids[:, self.confirmed_rows + 1 : length].to(device),
@@ -192,7 +196,7 @@ class MtpCandidateGenerator(CandidateGenerator):
             )
         self.confirmed_rows = length - 1
 
-        if self.drafter is not None and budget == self.num_assistant_tokens:
+        if self.drafter is not None:
             return self._draft_all(input_ids, out)
         sequence = input_ids
         drafts, draft_logits = [], []
