@@ -152,14 +152,16 @@ def _round_case(device, sizes=None):
     return mtp, paged, ids[:, 9:], hs[:, 9:]
 
 
-def test_round_is_the_catch_up_forward_then_the_draft_steps():
+@pytest.mark.parametrize("steps", [2, 0], ids=["K=3", "K=1"])
+def test_round_is_the_catch_up_forward_then_the_draft_steps(steps):
     """`GraphedDrafter.round` (eager here) = the plain forward over the verified rows, its greedy draft, then
-    the chained draft steps, on the same cache."""
+    the chained draft steps (none for K = 1), on the same cache."""
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cpu")
+    ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]  # the most verified rows a round of K = steps + 1 has
     lengths = paged.seq_lengths.clone()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=2)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps)
     drafter.use_graph = False
     with torch.no_grad():
         got_d, got_l = drafter.round(ids, hs)
@@ -169,15 +171,18 @@ def test_round_is_the_catch_up_forward_then_the_draft_steps():
         tok, res, want_d, want_l = out.logits[:, -1].argmax(-1, keepdim=True), out.residual[:, -1:], [], []
         want_d.append(tok)
         want_l.append(out.logits[:, -1].float())
-        for _ in range(2):
+        for _ in range(steps):
             tok, logits, res = mtp.draft_step(tok, res, paged)
             want_d.append(tok)
             want_l.append(logits.float())
     assert torch.equal(got_d, torch.cat(want_d, dim=1))
     torch.testing.assert_close(got_l, torch.stack(want_l, dim=1))
-    assert torch.equal(got_len, paged.seq_lengths) and int(got_len) == 9 + 3 + 2
+    assert torch.equal(got_len, paged.seq_lengths) and int(got_len) == 9 + ids.shape[1] + steps
     with pytest.raises(ValueError, match="verified rows"):
         drafter.round(ids[:, :0], hs[:, :0])
+    if not steps:
+        with pytest.raises(ValueError, match="only replays whole rounds"):
+            drafter.capture()
 
 
 @pytest.mark.gpu

@@ -77,7 +77,7 @@ class MtpCandidateGenerator(CandidateGenerator):
     # -- drafting -----------------------------------------------------------------------------
     def _make_drafter(self):
         mode, k = self.fast_drafts, self.num_assistant_tokens
-        if mode not in ("auto", "eager") or self.do_sample or self.logits_processor or k < 2:
+        if mode not in ("auto", "eager") or self.do_sample or self.logits_processor or k < 1:
             return None
         if mode == "auto":
             device = self.mtp.e_proj.weight.device
@@ -240,6 +240,8 @@ class MtpCandidateGenerator(CandidateGenerator):
         drafts after an EOS are dropped (their cache rows are rolled back next round)."""
         first_logits = out.logits[:, -1].float()
         first = argmax_last(first_logits).unsqueeze(-1)  # torch.argmax's tokens, without its one-block reduction
+        if self.drafter.num_drafts == 0:  # K = 1
+            return self._round_result(input_ids, first, first_logits.unsqueeze(1))
         rest, rest_logits = self._recursive_drafts(first, out.residual[:, -1:])
         tokens = torch.cat([first, rest.to(first.device)], dim=1)
         logits = torch.cat([first_logits.unsqueeze(1), rest_logits.float().to(first_logits.device)], dim=1)

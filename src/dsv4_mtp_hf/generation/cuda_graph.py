@@ -31,8 +31,9 @@ class GraphedDrafter:
                  compile: bool = False, compile_mode: str | None = None):
         if not isinstance(cache, PagedMtpKVCache):
             raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
-        if num_drafts < 1 or num_drafts - 1 > cache.max_draft_tokens:
-            raise ValueError(f"num_drafts must be in [1, max_draft_tokens + 1 = {cache.max_draft_tokens + 1}].")
+        if num_drafts < 0 or num_drafts - 1 > cache.max_draft_tokens:
+            raise ValueError(f"num_drafts must be in [0, max_draft_tokens + 1 = {cache.max_draft_tokens + 1}] "
+                             "(0: rounds of one draft, the catch-up's own).")
         w = mtp.e_proj.weight
         b, c = cache.batch_size, mtp.config
         self.mtp, self.cache, self.num_drafts, self.draft_vocab = mtp, cache, num_drafts, draft_vocab
@@ -103,6 +104,8 @@ class GraphedDrafter:
                                           self.cache, 1, self.draft_vocab, self.attention_backend)
         first_logits = logits[:, -1].float()
         self.tokens.copy_(argmax_last(first_logits).unsqueeze(-1))
+        if self.num_drafts == 0:  # rounds of one draft (K = 1): the catch-up's own
+            return self.tokens, first_logits.unsqueeze(1)
         self.residual.copy_(residual[:, -1:])
         drafts, step_logits = self.run_eager()
         return (torch.cat([self.tokens, drafts], dim=1),
@@ -135,6 +138,8 @@ class GraphedDrafter:
     def capture(self, warmup: int = 2) -> None:
         """Record the K steps (plan-like work -- allocation, Triton compilation -- happens in
         the warm-up, outside the capture).  The cache's lengths are restored afterwards."""
+        if self.num_drafts == 0:
+            raise ValueError("a drafter of num_drafts=0 only replays whole rounds (`round`): it has no steps to capture.")
         self._check_capturable()
         # Streams and graphs belong to the current device: make it the MTP's (e.g. cuda:1).
         with torch.cuda.device(self.mtp.e_proj.weight.device):
