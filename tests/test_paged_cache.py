@@ -186,14 +186,16 @@ def test_round_is_the_catch_up_forward_then_the_draft_steps(steps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile", [False, True], ids=["uncompiled", "compiled"])
-def test_round_graphs_replay_their_eager_rounds_on_cuda(compile):
+@pytest.mark.parametrize("compile,steps", [(False, 2), (True, 2), (True, 0)],
+                         ids=["uncompiled", "compiled", "compiled K=1"])
+def test_round_graphs_replay_their_eager_rounds_on_cuda(compile, steps):
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
     lengths = paged.seq_lengths.clone()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=2, compile=compile)
-    for rows in (3, 1, 3):  # a graph per row count, the first one replayed again
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, compile=compile)
+    big = min(3, steps + 2)
+    for rows in (big, 1, big):  # a graph per row count, the first one replayed again
         paged.seq_lengths.copy_(lengths)
         drafter.round_ids[:, :rows].copy_(ids[:, :rows])
         drafter.round_residual[:, :rows].copy_(hs[:, :rows])
@@ -203,7 +205,7 @@ def test_round_graphs_replay_their_eager_rounds_on_cuda(compile):
         got_d, got_l = drafter.round(ids[:, :rows], hs[:, :rows])
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
         assert torch.equal(got_d, want_d) and torch.equal(paged.seq_lengths, want_len)
-    assert sorted(drafter.round_graphs) == [1, 3]
+    assert sorted(drafter.round_graphs) == [1, big]
 
 
 # -- dsv4_mtp::paged_kv_update: the ring read + write as one op --------------------------------------
