@@ -219,7 +219,7 @@ class TargetGraphs:
         if max_rollback > self.state.max_rollback:
             raise ValueError(f"this graphed target rolls back at most {self.state.max_rollback} tokens per round, "
                              f"{max_rollback} asked: call graph_target(target, max_rollback={max_rollback}).")
-        self.state.lengths[0] = self.state.high[0] = 0
+        self._empty()
         self._epoch += 1
         self._residual = None
         return GraphedTargetCache(self, self._epoch)
@@ -296,8 +296,12 @@ class TargetGraphs:
         error); the sequence is emptied again.  Every prompt, the first included, then runs the same chunk
         graphs, so a prompt's logits do not depend on whether it is the target's first."""
         self.runner._batched([ids[0, :1]], [self.sequence], [1])
-        self.state.lengths[0] = self.state.high[0] = 0
+        self._empty()
         self._allocated = True
+
+    def _empty(self) -> None:
+        """The sequence holds no token (the state's buffers keep their stale rows: a function of the length)."""
+        self.state.lengths[0] = self.state.high[0] = 0
 
     def _chunked(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """A forward of ``n`` rows as fixed steps of power-of-two rows, longest first (at most
@@ -311,7 +315,8 @@ class TargetGraphs:
         return torch.cat(outs, dim=1)
 
     def _fixed_step(self, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A forward of ``n <= max_rows`` rows: graph replays, or (first time, or on CPU) the step itself.
+        """A forward of ``n`` rows (a decode step, or a prompt's chunk): graph replays, or (first time, or on
+        CPU) the step itself.
         -> (the streams fed to the head ``[1, n, hc, D]``, the logits ``[1, n, V]``: a graph's buffer)."""
         plan, length = self.state.fixed_plan(n), self.sequence.get_seq_length()
         graphs = self._graphs.get(n) if self.use_graphs else None
