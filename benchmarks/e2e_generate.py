@@ -13,6 +13,11 @@ random weights the MTP's drafts would never be accepted, so acceptance is *contr
   after the n-th is made wrong.  Profiles: ``none`` (every draft rejected), ``all``, and
   ``deepseek`` (0.88 / 0.80 / 0.72 for drafts 1 / 2 / 3).
 
+``--sample``: every call samples (``do_sample=True``, temperature 0.6, top-p 0.95, top-k 50: a chat
+setting) -- the margin still makes the target's choice certain, and each controlled draft comes with
+the one-hot distribution it was "drawn" from, so speculative sampling accepts exactly the right
+drafts while the MTP still draws its own from the processed distribution.
+
 Every case checks that the output equals plain greedy ``generate`` token for token.  Printed
 per case: tokens/s, speedup over plain, tokens per round, and the split of a round into the
 target's verify forward, the MTP's work (both GPU time between CUDA events) and host glue (the
@@ -52,6 +57,7 @@ from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward  # noqa: E4
 SEED = 1234
 MARGIN = 1000.0
 PROFILES = {"none": (0.0, 0.0, 0.0), "all": (1.0, 1.0, 1.0), "deepseek": (0.88, 0.80, 0.72)}
+SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=50)  # --sample
 
 
 def successor(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -159,6 +165,7 @@ class Controlled:
 
 def make_generator_class(ctl: Controlled):
     class ControlledCandidates(MtpCandidateGenerator):
+        # (sampling) each controlled draft with the one-hot q it is "drawn" from: a right one is accepted
         def get_candidates(self, input_ids, *args, **kwargs):
             if ctl.timing:
                 a = torch.cuda.Event(enable_timing=True)
@@ -170,7 +177,11 @@ def make_generator_class(ctl: Controlled):
                 ctl.events.append(("mtp", a, b))
             n = seq.shape[1] - input_ids.shape[1]
             if n:
-                seq = torch.cat([input_ids, ctl.controlled_on_device(input_ids[:, -1:], n).to(seq.device)], dim=1)
+                drafts = ctl.controlled_on_device(input_ids[:, -1:], n)
+                seq = torch.cat([input_ids, drafts.to(seq.device)], dim=1)
+                if self.do_sample:
+                    logits = torch.full_like(logits, float("-inf")).scatter_(
+                        -1, drafts.to(logits.device).unsqueeze(-1), 0.0)
             return seq, logits
     return ControlledCandidates
 
@@ -192,7 +203,8 @@ def assisted_cases(target, mtp, ctl, args, rows, checks, label):
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(3, ctl.vocab, (1, args.prompt), generator=gen).to(dev)
     n = args.new_tokens
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+              **(SAMPLING if args.sample else dict(do_sample=False)))
     t_plain, plain = timed(lambda: target.generate(prompt, **kw), args.repeats)
     t_one, _ = timed(lambda: target.generate(prompt, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}),
                      args.repeats)
@@ -266,7 +278,8 @@ def host_profile(target, mtp, ctl, args, label, out_dir) -> list[str]:
     dev = target.get_input_embeddings().weight.device
     prompt = torch.randint(3, ctl.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(SEED)).to(dev)
     n, k = args.new_tokens, args.ks[0]
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+              **(SAMPLING if args.sample else dict(do_sample=False)))
     ctl.profile = PROFILES[args.profiles[0]]
     calls = [("plain", lambda: target.generate(prompt, **kw)),
              (f"K={k} {args.profiles[0]}", lambda: target.generate(prompt, assistant_model=mtp, num_assistant_tokens=k, **kw))]
@@ -449,6 +462,8 @@ def main():
     p.add_argument("--host-profile", action="store_true",
                    help="also profile one plain and one assisted call (first K and profile): the GPU's busy share and "
                         "the host's blocking CUDA calls per round")
+    p.add_argument("--sample", action="store_true",
+                   help="every call samples (SAMPLING: temperature 0.6, top-p 0.95, top-k 50); batches are greedy")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--report", metavar="JSON", help="print the tables and projection of a saved run, measure nothing")
     args = p.parse_args()
@@ -464,7 +479,7 @@ def main():
     rows, checks, profiles = [], {}, []
     for layers in [int(x) for x in args.layers.split(",")]:
         label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
-            ", graphed" if args.graph_target else "")
+            ", graphed" if args.graph_target else "") + (", sampled" if args.sample else "")
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED))
             if args.fp4_experts:

@@ -184,17 +184,36 @@ def _chi2_pvalue(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
     return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
 
 
+class RoundDrafts(MtpCandidateGenerator):
+    fast_drafts = "eager"  # the sampled round of the graphs (GraphedDrafter), run eagerly on the CPU
+
+
 @pytest.mark.tf_internals
-def test_speculative_sampling_matches_plain_sampling_in_distribution():
+@pytest.mark.parametrize("path", ["per-token drafts", "sampled rounds", "graphed target"])
+def test_speculative_sampling_matches_plain_sampling_in_distribution(path, monkeypatch):
+    """600 sampled assisted calls: the first three tokens are distributed as plain sampling's, whichever way the
+    drafts are drawn (one forward per draft, or the sampled round of the graphs) and whichever loop verifies
+    (transformers', or ours on a graphed target)."""
+    from dsv4_mtp_hf import graph_target
+    from dsv4_mtp_hf.generation import assisted_loop
+
     vocab = 16
     target, mtp = tiny_pair(seed=5, target_overrides=dict(vocab_size=vocab, num_hidden_layers=2,
                                                            layer_types=["sliding_attention", "compressed_sparse_attention"],
                                                            mlp_layer_types=["moe", "moe"]))
     ids = prompt(5, length=6, vocab=vocab)
-    kw = dict(do_sample=True, temperature=1.3, top_k=10, max_new_tokens=3, min_new_tokens=3)
+    # min_new_tokens would add a processor that reads the sequence (not graph-safe): no EOS instead
+    kw = dict(do_sample=True, temperature=1.3, top_k=10, max_new_tokens=3, eos_token_id=None)
     n = 600
     torch.manual_seed(0)
     plain = target.generate(ids.expand(n, -1), **kw)[:, -3:]
+    loops = []
+    if path != "per-token drafts":
+        monkeypatch.setattr(mtp, "candidate_generator_class", RoundDrafts)
+    if path == "graphed target":
+        graph_target(target, max_length=32)
+        real = assisted_loop.decode
+        monkeypatch.setattr(assisted_loop, "decode", lambda *a, **k: loops.append(1) or real(*a, **k))
     torch.manual_seed(1)
     assisted, drafted, accepted = [], 0, 0
     for _ in range(n):
@@ -202,7 +221,8 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution():
         drafted += mtp.last_generation_stats.drafted
         accepted += mtp.last_generation_stats.accepted
     assisted = torch.stack(assisted)
-    assert accepted > 0.15 * drafted  # the accept path of speculative sampling is exercised
+    assert len(loops) == (n if path == "graphed target" else 0)
+    assert 0.15 * drafted < accepted < drafted  # both paths of speculative sampling are exercised
     for i in range(3):
         assert _chi2_pvalue(plain[:, i], assisted[:, i], vocab) > 1e-3, f"token {i} distribution differs"
 

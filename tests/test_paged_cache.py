@@ -208,6 +208,91 @@ def test_round_graphs_replay_their_eager_rounds_on_cuda(compile, steps):
     assert sorted(drafter.round_graphs) == [1, big]
 
 
+def _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers):
+    """The processed logits a sampled round must hand back for its ``drafts``: the plain forward over the
+    verified rows, then a draft step per draft fed that draft, each warped."""
+    from dsv4_mtp_hf.generation.sampling import warp
+
+    paged.seq_lengths.copy_(lengths)
+    out = mtp(ids, hs, past_key_values=paged, logits_to_keep=1)
+    want, res = [warp(warpers, out.logits[:, -1])], out.residual[:, -1:]
+    for j in range(drafts.shape[1] - 1):
+        _, logits, res = mtp.draft_step(drafts[:, j : j + 1], res, paged)
+        want.append(warp(warpers, logits))
+    return torch.stack(want, dim=1)
+
+
+def _first_draft_fits(firsts, q0):
+    """The first drafts of many rounds from one cache state follow ``softmax(q0)`` (chi-square)."""
+    probs = q0.softmax(-1).double()
+    counts = torch.bincount(torch.tensor(firsts), minlength=probs.numel()).double()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a draft the processed distribution forbids"
+    expected = probs[keep] * len(firsts)
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    pvalue = 1 - float(torch.distributions.Chi2(torch.tensor(float(int(keep.sum()) - 1))).cdf(torch.tensor(stat)))
+    assert pvalue > 1e-3, (counts, probs[keep])
+
+
+def _warpers():
+    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    return LogitsProcessorList([TemperatureLogitsWarper(0.3), TopKLogitsWarper(4)])
+
+
+@pytest.mark.parametrize("steps", [2, 0], ids=["K=3", "K=1"])
+def test_a_sampled_round_draws_from_the_processed_distribution_it_hands_back(steps):
+    """`sampled=True` (eager here): every draft is drawn from the warped MTP distribution at its prefix, and that
+    processed distribution is what the round returns -- the q that makes speculative sampling exact."""
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    mtp, paged, ids, hs = _round_case("cpu")
+    ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]
+    lengths, warpers = paged.seq_lengths.clone(), _warpers()
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, sampled=True, warpers=warpers)
+    drafter.use_graph = False
+    firsts = []
+    with torch.no_grad():
+        for trial in range(300):
+            paged.seq_lengths.copy_(lengths)
+            drafts, q = drafter.round(ids, hs)
+            firsts.append(int(drafts[0, 0]))
+            assert drafts.shape == (1, steps + 1) and q.shape == (1, steps + 1, mtp.config.vocab_size)
+            if trial < 3:
+                want = _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers)
+                torch.testing.assert_close(q, want)
+    _first_draft_fits(firsts, q[0, 0])
+    with pytest.raises(ValueError, match="graph-safe"):
+        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+        GraphedDrafter(mtp, paged, num_drafts=steps, sampled=True, warpers=[RepetitionPenaltyLogitsProcessor(1.1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", [2, 0], ids=["K=3", "K=1"])
+def test_sampled_round_graphs_draw_afresh_at_every_replay_on_cuda(steps):
+    """The sampled round graph's RNG advances at each replay: its first drafts from one cache state follow the
+    processed distribution, and each replay's q is the eager recomputation's for the drafts it drew."""
+    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+
+    mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
+    ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]
+    lengths, warpers = paged.seq_lengths.clone(), _warpers()
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, compile=True, sampled=True, warpers=warpers)
+    firsts = []
+    with torch.no_grad():
+        for trial in range(300):
+            paged.seq_lengths.copy_(lengths)
+            drafts, q = drafter.round(ids, hs)
+            firsts.append(int(drafts[0, 0]))
+            if trial % 100 == 1:
+                drafts, q = drafts.clone(), q.clone()
+                want = _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers)
+                torch.testing.assert_close(q, want, rtol=1e-4, atol=1e-4)
+    assert len(drafter.round_graphs) == 1
+    _first_draft_fits(firsts, q[0, 0])
+
+
 # -- dsv4_mtp::paged_kv_update: the ring read + write as one op --------------------------------------
 
 

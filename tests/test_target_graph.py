@@ -169,6 +169,49 @@ def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypat
     assert len(loops) == 7  # transformers' loop served it
 
 
+class SampledTruthWithMistakes(TruthWithMistakes):
+    """:class:`TruthWithMistakes` for sampled calls: each draft comes with the one-hot distribution it was
+    "drawn" from, so a right draft is accepted and a wrong one rejected."""
+
+    def _round_result(self, input_ids, tokens, logits):
+        drafts = self._draft(input_ids.shape[1], tokens)
+        q = torch.full_like(logits, float("-inf")).scatter_(-1, drafts.unsqueeze(-1).to(logits.device), 0.0)
+        return MtpCandidateGenerator._round_result(self, input_ids, drafts, q)
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("k", [1, 3])
+def test_our_loop_serves_sampled_calls_on_the_graphed_target(k, monkeypatch):
+    """Sampling with graph-safe warpers runs our loop too.  With top-k = 1 sampling is greedy, so the output must
+    equal plain greedy generate at every length, accepting the right drafts and rejecting the wrong ones; a
+    processor that reads the sequence (repetition penalty) goes to transformers' loop."""
+    from dsv4_mtp_hf.generation import assisted_loop
+
+    seed = SEED + 21
+    print(f"seed={seed}")
+    target, mtp = tiny_pair(seed=seed)
+    ids = ids_of(seed, 9)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    rng = random.Random(seed)
+    SampledTruthWithMistakes.truth = plain
+    SampledTruthWithMistakes.wrong_at = {p for p in range(9, 49) if rng.random() < 0.3}
+    graph_target(target, max_length=128)
+    loops = []
+    real = assisted_loop.decode
+    monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mtp, "candidate_generator_class", SampledTruthWithMistakes)
+    kw = dict(do_sample=True, top_k=1, temperature=0.7, top_p=0.9, eos_token_id=None)
+    for n in (1, 4, 40):
+        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=n, **kw)
+        assert torch.equal(got, plain[:, : 9 + n]), f"max_new_tokens={n}"
+    stats = mtp.last_generation_stats
+    assert 0 < stats.accepted < stats.drafted and stats.new_tokens == 40
+    assert len(loops) == 3
+    torch.manual_seed(seed)
+    target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=5, repetition_penalty=1.3, **kw)
+    assert len(loops) == 3  # transformers' loop served it
+
+
 def in_three_segments(model):
     """The embedding alone, layers 0-1, layer 2: the segments a device_map target with its embedding beside
     the lm head gets (here all on one device, so the hand-offs between segments run on the CPU too)."""
@@ -362,3 +405,23 @@ def test_assisted_generate_on_the_graphed_cuda_target_equals_its_plain_generate(
     assert {1, 4} <= set(graphs._graphs)  # plain steps and 4-row verifies replayed graphs
     kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)  # a logits processor: transformers' loop
     assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), target.generate(ids, **kw))
+
+
+@pytest.mark.gpu
+def test_sampled_assisted_generate_on_the_graphed_cuda_target_replays_graphs_and_stays_exact():
+    """Sampling on the graphed CUDA target: the MTP's sampled round graphs and our loop.  At top-k = 1 sampling is
+    greedy, so the output equals plain greedy generate; at temperature 1 the drafts are real draws."""
+    print(f"seed={SEED + 3}")
+    target, mtp = _gpu_target(SEED + 3)
+    graph_target(target, max_length=256)
+    ids = ids_of(SEED + 3, 12, device="cuda")
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    kw = dict(max_new_tokens=60, do_sample=True, eos_token_id=None)
+    got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, top_k=1, **kw)
+    assert torch.equal(got, plain)
+    drafters = [d for d in mtp.__dict__["_kept_drafters"].values() if d.sampled]
+    assert len(drafters) == 1 and drafters[0].round_graphs  # the sampled rounds replayed graphs
+    torch.manual_seed(SEED)
+    got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, temperature=1.0, top_k=0, **kw)
+    stats = mtp.last_generation_stats
+    assert got.shape == (1, 72) and stats.new_tokens == 60 and stats.drafted > 0

@@ -107,7 +107,8 @@ def _graphed_decoding(mtp, run, name, streamer, synced_gpus):
                  **model_kwargs):
         if assisted_loop.serves(logits_processor, stopping_criteria, generation_config, synced_gpus):
             candidates = _candidates(mtp, run, generation_config, logits_processor)
-            return assisted_loop.decode(model, candidates, name, input_ids, stopping_criteria, streamer,
+            warpers = logits_processor if generation_config.do_sample else None
+            return assisted_loop.decode(model, candidates, name, input_ids, stopping_criteria, streamer, warpers,
                                         **model_kwargs)
         return type(model)._assisted_decoding(
             model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,

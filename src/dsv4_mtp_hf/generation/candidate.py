@@ -26,12 +26,13 @@ import torch
 import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..ops.argmax import argmax_last
+from . import sampling
 from .draft_length import AutoDraftLength
 
 # transformers >= 5.18 cuts a round's accepted tokens at the first EOS itself (`_assisted_decoding`). 5.17 does
 # not, so there the drafts after an EOS are dropped here, which needs the drafts on the host.
 VERIFIER_CUTS_AT_EOS = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
+KEPT_DRAFTERS = 4  # drafters (and their graphs) an MTP keeps for later calls, one per K / mode / warpers
 
 
 class MtpCandidateGenerator(CandidateGenerator):
@@ -40,8 +41,9 @@ class MtpCandidateGenerator(CandidateGenerator):
     # False: drafts ignore the logits processors (only the verifier applies them) -- a baseline
     # for measuring what per-position masking of drafts buys; the output is unchanged either way.
     process_drafts: bool = True
-    # Greedy rounds without logits processors can run the recursive drafts (2..K) as one
-    # CUDA-graph replay on a paged MTP cache (`GraphedDrafter`).  "auto": on CUDA, when the
+    # Greedy rounds without logits processors, and sampled rounds whose processors are all
+    # graph-safe warpers (temperature, top-k, top-p, min-p: generation/sampling.py), replay as one
+    # CUDA graph per round on a paged MTP cache (`GraphedDrafter`).  "auto": on CUDA, when the
     # Triton FP4 MoE tiles the model's sizes; "eager": the same paged path without the graph
     # (any device; tests); False: always the per-token loop below.
     fast_drafts: str | bool = "auto"
@@ -77,8 +79,13 @@ class MtpCandidateGenerator(CandidateGenerator):
     # -- drafting -----------------------------------------------------------------------------
     def _make_drafter(self):
         mode, k = self.fast_drafts, self.num_assistant_tokens
-        if mode not in ("auto", "eager") or self.do_sample or self.logits_processor or k < 1:
+        # Greedy without processors, or sampling with graph-safe warpers only (generation/sampling.py).
+        sampled = self.do_sample and sampling.graph_safe(self.logits_processor)
+        greedy = not self.do_sample and not self.logits_processor
+        if mode not in ("auto", "eager") or k < 1 or not (greedy or sampled):
             return None
+        if sampled and self.mtp.config.attention_backend not in ("auto", "reference"):
+            return None  # a sampled first draft after a long catch-up would need FlashInfer's host plan per call
         if mode == "auto":
             device = self.mtp.e_proj.weight.device
             if device.type != "cuda":
@@ -101,19 +108,23 @@ class MtpCandidateGenerator(CandidateGenerator):
         # graphs read by address (weights, draft vocabulary) and what shapes them.
         c, m = self.mtp.config, self.mtp
         key = (k, mode, self.compile_drafts, c.attention_backend, id(getattr(m, "_draft_ids", None)),
+               sampled and (self.process_drafts, sampling.signature(self.logits_processor)),
                *(t.data_ptr() for t in (m.e_proj.weight, m.get_input_embeddings().weight,
                                         m.get_output_embeddings().weight)))
-        kept = m.__dict__.get("_kept_drafter")
-        if kept is not None and kept[0] == key:
-            kept[1].cache.reset()
-            return kept[1]
+        kept = m.__dict__.setdefault("_kept_drafters", {})  # a few, so greedy and sampled calls can alternate
+        if key in kept:
+            kept[key].cache.reset()
+            return kept[key]
         cache = m.new_cache(paged=True, batch_size=1)
-        drafter = GraphedDrafter(m, cache, num_drafts=k - 1, draft_vocab=True)
+        drafter = GraphedDrafter(m, cache, num_drafts=k - 1, draft_vocab=True, sampled=sampled,
+                                 warpers=self.logits_processor if sampled and self.process_drafts else None)
         drafter.use_graph = mode == "auto"
         # Not with FlashInfer plans: torch.compile specialises on their per-drafter handle.
         if drafter.use_graph and self.compile_drafts and getattr(drafter, "attention_plans", None) is None:
             drafter.compile_step()
-        m.__dict__["_kept_drafter"] = (key, drafter)
+        while len(kept) >= KEPT_DRAFTERS:
+            kept.pop(next(iter(kept)))  # the oldest
+        kept[key] = drafter
         return drafter
 
     def _recursive_drafts(self, token: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,10 +247,9 @@ class MtpCandidateGenerator(CandidateGenerator):
         return sequence, torch.stack(draft_logits, dim=1)
 
     def _draft_all(self, input_ids, out):
-        """Greedy, no processors: the first draft from the confirmed rows, the rest in one go;
+        """Through the drafter: the first draft from the confirmed rows, the rest in one go;
         drafts after an EOS are dropped (their cache rows are rolled back next round)."""
-        first_logits = out.logits[:, -1].float()
-        first = argmax_last(first_logits).unsqueeze(-1)  # torch.argmax's tokens, without its one-block reduction
+        first, first_logits = self.drafter.select(out.logits[:, -1])  # argmax, or a draw from the processed q
         if self.drafter.num_drafts == 0:  # K = 1
             return self._round_result(input_ids, first, first_logits.unsqueeze(1))
         rest, rest_logits = self._recursive_drafts(first, out.residual[:, -1:])
@@ -248,7 +258,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         return self._round_result(input_ids, tokens, logits)
 
     def _round_result(self, input_ids, tokens, logits):
-        """The round's candidates from its greedy drafts ``[1, K]``: the first ``round_limit`` of them, up to
+        """The round's candidates from its drafts ``[1, K]`` (and the logits handed to the verifier): the first ``round_limit`` of them, up to
         an EOS (the rows of the dropped drafts are rolled back next round).  No host read where the verifier
         cuts at EOS itself: the host goes on to the verify while the GPU still drafts."""
         keep = min(self.round_limit, tokens.shape[1])

@@ -1,4 +1,4 @@
-"""K chained greedy MTP draft steps, and whole greedy rounds, captured in CUDA graphs and replayed.
+"""K chained MTP draft steps, and whole rounds, greedy or sampled, captured in CUDA graphs and replayed.
 
 A draft step at batch 1 is hundreds of small kernels: eagerly it is bound by launch and
 Python overhead, not by the bytes it reads.  :class:`GraphedDrafter`
@@ -12,6 +12,11 @@ step sees its own key count while the context is shorter than the window.  :meth
 records a whole round instead -- the verified rows' catch-up from the target's residual, the first
 draft, then the K steps -- one graph per number of verified rows (reference attention only).
 
+``sampled=True`` draws each draft from the call's processed distribution instead of taking the
+argmax: the graph-safe warpers (:mod:`.sampling`) and the exponential race run inside the graph,
+whose RNG advances at every replay, and the logits handed back are the processed ones (the ``q``
+exact speculative sampling needs).
+
 ``compile=True`` first compiles the step (:meth:`DeepseekV4MtpForCausalLM.draft_step`) with
 ``torch.compile(fullgraph=True)``: Inductor fuses the ~200 small kernels of a step (norms,
 RoPE, mHC mixes, softmax, routing math) into a few dozen generated Triton kernels, and the
@@ -24,19 +29,24 @@ import torch
 
 from ..cache import PagedMtpKVCache
 from ..ops.argmax import argmax_last
+from . import sampling
 
 
 class GraphedDrafter:
     def __init__(self, mtp, cache: PagedMtpKVCache, num_drafts: int, draft_vocab: bool = False,
-                 compile: bool = False, compile_mode: str | None = None):
+                 compile: bool = False, compile_mode: str | None = None, sampled: bool = False, warpers=None):
         if not isinstance(cache, PagedMtpKVCache):
             raise TypeError("GraphedDrafter needs a PagedMtpKVCache (static shapes): `mtp.new_cache(paged=True, ...)`.")
         if num_drafts < 0 or num_drafts - 1 > cache.max_draft_tokens:
             raise ValueError(f"num_drafts must be in [0, max_draft_tokens + 1 = {cache.max_draft_tokens + 1}] "
                              "(0: rounds of one draft, the catch-up's own).")
+        if warpers and not (sampled and sampling.graph_safe(warpers)):
+            raise ValueError("GraphedDrafter's warpers must be graph-safe (generation.sampling.GRAPH_SAFE_WARPERS) "
+                             "and need sampled=True; other processors draft eagerly.")
         w = mtp.e_proj.weight
         b, c = cache.batch_size, mtp.config
         self.mtp, self.cache, self.num_drafts, self.draft_vocab = mtp, cache, num_drafts, draft_vocab
+        self.sampled, self.warpers = sampled, warpers
         self.tokens = torch.zeros(b, 1, dtype=torch.long, device=w.device)
         self.residual = torch.zeros(b, 1, c.hc_mult, c.hidden_size, dtype=w.dtype, device=w.device)
         self.graph = None
@@ -88,6 +98,8 @@ class GraphedDrafter:
         for _ in range(self.num_drafts):
             tok, step_logits, res = self.step(tok, res, self.cache, self.draft_vocab, self.attention_backend,
                                               self.attention_plans)
+            if self.sampled:  # the step's argmax is replaced by a draw from the processed distribution
+                tok, step_logits = self.select(step_logits)
             drafts.append(tok)
             logits.append(step_logits)
         if self.num_drafts == 1:
@@ -96,14 +108,14 @@ class GraphedDrafter:
 
     @torch.no_grad()
     def run_round_eager(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One greedy round without the graph: the MTP rows of ``round_ids`` / ``round_residual[:, :rows]``
+        """One round without the graph: the MTP rows of ``round_ids`` / ``round_residual[:, :rows]``
         (the verified rows, from the target's residual) appended to the cache, the first draft from the
         last of them, then the K steps.  Returns the drafts ``[B, 1 + K]`` and their fp32 logits."""
         positions = self.cache.seq_lengths.clone().unsqueeze(1) + self._row_offsets[:rows]
         logits, residual = self.mtp._rows(self.round_ids[:, :rows], self.round_residual[:, :rows], positions,
                                           self.cache, 1, self.draft_vocab, self.attention_backend)
-        first_logits = logits[:, -1].float()
-        self.tokens.copy_(argmax_last(first_logits).unsqueeze(-1))
+        first, first_logits = self.select(logits[:, -1])
+        self.tokens.copy_(first)
         if self.num_drafts == 0:  # rounds of one draft (K = 1): the catch-up's own
             return self.tokens, first_logits.unsqueeze(1)
         self.residual.copy_(residual[:, -1:])
@@ -111,8 +123,17 @@ class GraphedDrafter:
         return (torch.cat([self.tokens, drafts], dim=1),
                 torch.cat([first_logits.unsqueeze(1), step_logits.float()], dim=1))
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft from logits ``[B, V]``: ``(token [B, 1], fp32 logits)`` -- the argmax and the logits, or
+        (``sampled``) a draw from the processed distribution and the processed logits."""
+        logits = logits.float()
+        if not self.sampled:
+            return argmax_last(logits).unsqueeze(-1), logits
+        processed = sampling.warp(self.warpers, logits)
+        return sampling.draw(processed.softmax(dim=-1)).unsqueeze(-1), processed
+
     def round(self, ids: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole greedy round from ``ids [B, n]`` (the tokens t_{p+1} of the n verified rows) and
+        """A whole round from ``ids [B, n]`` (the tokens t_{p+1} of the n verified rows) and
         ``residual [B, n, hc_mult, D]`` (the target's residual at those rows), n <= ``max_round_rows``:
         one CUDA-graph replay (captured the first time n occurs), no host synchronisation.  Returns the
         graph's static drafts ``[B, 1 + K]`` and logits ``[B, 1 + K, V]`` (read them before the next round)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import sampling
 from .ragged_target import RaggedTargetForward
 from .stats import GenerationStats
 
@@ -239,25 +240,16 @@ class _Batch:
 
 
 def _verify_sampled(sampler: _Sampler, drafts: list[int], q: list[torch.Tensor], p: torch.Tensor) -> tuple[int, int]:
-    """Speculative sampling of one sequence's round: ``p [k+1, V]`` the target's processed
-    distributions at the verified rows, ``q[n]`` the draft's at draft ``n``.  Returns the
-    accepted count and the token the target adds (a resample after a rejection, else a
-    sample of the row after the last draft)."""
+    """Speculative sampling of one sequence's round (:func:`.sampling.speculative_accept`): ``p [k+1, V]`` the
+    target's processed distributions at the verified rows, ``q[n]`` the draft's at draft ``n``.  Returns the
+    accepted count and the token the target adds (a resample after a rejection, else a sample of the row after
+    the last draft), in one host read."""
     k = len(drafts)
-    if k:
-        # All accept tests of the round in one host read: accept draft n with prob min(1, p/q).
-        qs = torch.stack(q).to(p.device)  # [k, V]
-        t = torch.tensor(drafts, device=p.device)
-        rows = torch.arange(k, device=p.device)
-        accept = sampler.uniform(k, p.device) * qs[rows, t] < p[rows, t]
-        stop = torch.cat([accept.logical_not(), accept.new_ones(1)])  # a sentinel: all accepted -> k
-        n = int(stop.long().argmax())  # the first rejection
-        if n < k:  # first rejection: resample from max(p - q, 0)
-            residual = (p[n] - qs[n]).clamp(min=0)
-            total = residual.sum()
-            residual = residual / total if total > 0 else p[n]
-            return n, int(sampler.sample(residual.unsqueeze(0)))
-    return len(drafts), int(sampler.sample(p[len(drafts)].unsqueeze(0)))
+    qs = torch.stack(q).to(p.device) if k else p.new_zeros(0, p.shape[-1])
+    n, selected = sampling.speculative_accept(torch.tensor([drafts], dtype=torch.long, device=p.device), qs[None],
+                                              p[None], sampler.generator)
+    n, *selected = torch.cat([n, selected[0]]).tolist()
+    return n, selected[n]
 
 
 @torch.no_grad()
