@@ -37,8 +37,14 @@ from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
 
 
-def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
+                       packed_experts: bool = False):
+    """A random V4-Flash-shaped target (``layers`` decoder layers over the visible GPUs) and its bound MTP.
+    ``packed_experts``: the routed experts random MXFP4 from the start (``DeepseekV4PackedExpertsForCausalLM``,
+    as ``from_pretrained`` of a release builds it), never allocated in bf16: 5 layers fit an 80 GB GPU."""
     from accelerate import dispatch_model
+
+    from dsv4_mtp_hf import DeepseekV4PackedExpertsForCausalLM
 
     types = (["heavily_compressed_attention", "compressed_sparse_attention"] * layers)[:layers]
     kw = dict(num_hidden_layers=layers, layer_types=types, mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
@@ -52,7 +58,7 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
     torch.set_default_dtype(dtype)  # bf16 weights; modules transformers keeps in fp32 stay fp32
     try:
         with torch.device("meta"):
-            target = DeepseekV4ForCausalLM(tc)
+            target = (DeepseekV4PackedExpertsForCausalLM if packed_experts else DeepseekV4ForCausalLM)(tc)
     finally:
         torch.set_default_dtype(default)
     n = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1

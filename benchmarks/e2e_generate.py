@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, left_pad  # noqa: E402
 
-from dsv4_mtp_hf import graph_target, pack_fp4_experts  # noqa: E402
+from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
 from dsv4_mtp_hf.generation.candidate import MtpCandidateGenerator  # noqa: E402
@@ -165,16 +165,30 @@ class Controlled:
 
 def make_generator_class(ctl: Controlled):
     class ControlledCandidates(MtpCandidateGenerator):
-        # (sampling) each controlled draft with the one-hot q it is "drawn" from: a right one is accepted
+        fast_drafts = "auto" if torch.cuda.is_available() else "eager"  # the round path on a CPU smoke run too
+
+        def _timed(self, fn, *args, **kwargs):
+            if not ctl.timing:
+                return fn(*args, **kwargs)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn(*args, **kwargs)
+            b.record()
+            ctl.events.append(("mtp", a, b))
+            return out
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.drafter is None:  # the per-token drafts do not pass through _round_result below
+                raise RuntimeError("the benchmark controls the drafts of the round path (GraphedDrafter) only.")
+
         def get_candidates(self, input_ids, *args, **kwargs):
-            if ctl.timing:
-                a = torch.cuda.Event(enable_timing=True)
-                a.record()
-            seq, logits = super().get_candidates(input_ids, *args, **kwargs)
-            if ctl.timing:
-                b = torch.cuda.Event(enable_timing=True)
-                b.record()
-                ctl.events.append(("mtp", a, b))
+            return self._timed(super().get_candidates, input_ids, *args, **kwargs)
+
+        def _round_result(self, input_ids, tokens, logits):
+            # the MTP's own drafts replaced by controlled ones, on the device; (sampling) each with the one-hot
+            # q it is "drawn" from, so a right one is accepted
+            seq, logits = super()._round_result(input_ids, tokens, logits)
             n = seq.shape[1] - input_ids.shape[1]
             if n:
                 drafts = ctl.controlled_on_device(input_ids[:, -1:], n)
@@ -455,7 +469,8 @@ def main():
     p.add_argument("--batch-k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fp4-experts", action="store_true",
-                   help="the target's routed experts packed in FP4 (pack_fp4_experts) instead of transformers' bf16")
+                   help="the target's routed experts random packed MXFP4 (DeepseekV4PackedExpertsForCausalLM) instead of "
+                        "transformers' bf16")
     p.add_argument("--graph-target", action="store_true",
                    help="the target's decode steps as CUDA graphs (graph_target; needs capturable experts: "
                         "with --fp4-experts)")
@@ -481,9 +496,8 @@ def main():
         label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
             ", graphed" if args.graph_target else "") + (", sampled" if args.sample else "")
         with torch.no_grad():
-            target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED))
-            if args.fp4_experts:
-                pack_fp4_experts(target)
+            target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
+                                                packed_experts=args.fp4_experts)
             if args.graph_target:  # rounds verify at most AUTO_MAX_DRAFTS drafts ("auto")
                 graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=4)
             ctl = Controlled(target, mtp, target.config.vocab_size)

@@ -224,7 +224,7 @@ def _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers):
 
 def _first_draft_fits(firsts, q0):
     """The first drafts of many rounds from one cache state follow ``softmax(q0)`` (chi-square)."""
-    probs = q0.softmax(-1).double()
+    probs = q0.softmax(-1).double().cpu()
     counts = torch.bincount(torch.tensor(firsts), minlength=probs.numel()).double()
     keep = probs > 0
     assert counts[~keep].sum() == 0, "a draft the processed distribution forbids"
