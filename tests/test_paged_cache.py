@@ -234,6 +234,23 @@ def _first_draft_fits(firsts, q0):
     assert pvalue > 1e-3, (counts, probs[keep])
 
 
+def _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked, **tolerance):
+    """300 rounds from one cache state: each round's shapes, the q of the rounds in ``checked`` against the
+    eager recomputation for the drafts they drew, then the first drafts' fit to q."""
+    lengths, firsts, steps = paged.seq_lengths.clone(), [], drafter.num_drafts
+    with torch.no_grad():
+        for trial in range(300):
+            paged.seq_lengths.copy_(lengths)
+            drafts, q = drafter.round(ids, hs)
+            firsts.append(int(drafts[0, 0]))
+            assert drafts.shape == (1, steps + 1) and q.shape == (1, steps + 1, mtp.config.vocab_size)
+            if trial in checked:
+                drafts, q = drafts.clone(), q.clone()
+                want = _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers)
+                torch.testing.assert_close(q, want, **tolerance)
+    _first_draft_fits(firsts, q[0, 0])
+
+
 def _warpers():
     from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
@@ -247,21 +264,10 @@ def test_a_sampled_round_draws_from_the_processed_distribution_it_hands_back(ste
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cpu")
-    ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]
-    lengths, warpers = paged.seq_lengths.clone(), _warpers()
+    ids, hs, warpers = ids[:, : steps + 2], hs[:, : steps + 2], _warpers()
     drafter = GraphedDrafter(mtp, paged, num_drafts=steps, sampled=True, warpers=warpers)
     drafter.use_graph = False
-    firsts = []
-    with torch.no_grad():
-        for trial in range(300):
-            paged.seq_lengths.copy_(lengths)
-            drafts, q = drafter.round(ids, hs)
-            firsts.append(int(drafts[0, 0]))
-            assert drafts.shape == (1, steps + 1) and q.shape == (1, steps + 1, mtp.config.vocab_size)
-            if trial < 3:
-                want = _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers)
-                torch.testing.assert_close(q, want)
-    _first_draft_fits(firsts, q[0, 0])
+    _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked=(0, 1, 2))
     with pytest.raises(ValueError, match="graph-safe"):
         from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -276,21 +282,10 @@ def test_sampled_round_graphs_draw_afresh_at_every_replay_on_cuda(steps):
     from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
-    ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]
-    lengths, warpers = paged.seq_lengths.clone(), _warpers()
+    ids, hs, warpers = ids[:, : steps + 2], hs[:, : steps + 2], _warpers()
     drafter = GraphedDrafter(mtp, paged, num_drafts=steps, compile=True, sampled=True, warpers=warpers)
-    firsts = []
-    with torch.no_grad():
-        for trial in range(300):
-            paged.seq_lengths.copy_(lengths)
-            drafts, q = drafter.round(ids, hs)
-            firsts.append(int(drafts[0, 0]))
-            if trial % 100 == 1:
-                drafts, q = drafts.clone(), q.clone()
-                want = _sampled_round_reference(mtp, paged, lengths, ids, hs, drafts, warpers)
-                torch.testing.assert_close(q, want, rtol=1e-4, atol=1e-4)
+    _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked=(1, 101, 201), rtol=1e-4, atol=1e-4)
     assert len(drafter.round_graphs) == 1
-    _first_draft_fits(firsts, q[0, 0])
 
 
 # -- dsv4_mtp::paged_kv_update: the ring read + write as one op --------------------------------------

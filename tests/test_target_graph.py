@@ -115,6 +115,26 @@ class TruthWithMistakes(MtpCandidateGenerator):
         return self._draft(sequence.shape[1], torch.zeros(1, 1, dtype=torch.long))
 
 
+def _loop_case(seed, drafts, new_tokens, monkeypatch):
+    """A graphed tiny target whose MTP drafts through ``drafts`` (a :class:`TruthWithMistakes`): its plain
+    greedy output, a mistake at ~30% of the positions, and the list that counts the calls our loop serves."""
+    from dsv4_mtp_hf.generation import assisted_loop
+
+    print(f"seed={seed}")
+    target, mtp = tiny_pair(seed=seed)
+    ids = ids_of(seed, 9)
+    plain = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    rng = random.Random(seed)
+    drafts.truth = plain
+    drafts.wrong_at = {p for p in range(9, 9 + new_tokens) if rng.random() < 0.3}
+    graph_target(target, max_length=128)
+    loops = []
+    real = assisted_loop.decode
+    monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mtp, "candidate_generator_class", drafts)
+    return target, mtp, ids, plain, loops
+
+
 @pytest.mark.tf_internals
 @pytest.mark.parametrize("k", [1, 3, "auto"])
 def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypatch):
@@ -123,21 +143,7 @@ def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypat
     EOS as plain cuts it, the streamer sees what the call returns, and the statistics count what happened."""
     from transformers.generation.streamers import BaseStreamer
 
-    from dsv4_mtp_hf.generation import assisted_loop
-
-    seed = SEED + 20
-    print(f"seed={seed}")
-    target, mtp = tiny_pair(seed=seed)
-    ids = ids_of(seed, 9)
-    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
-    rng = random.Random(seed)
-    TruthWithMistakes.truth = plain
-    TruthWithMistakes.wrong_at = {p for p in range(9, 69) if rng.random() < 0.3}
-    graph_target(target, max_length=128)
-    loops = []
-    real = assisted_loop.decode
-    monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
-    monkeypatch.setattr(mtp, "candidate_generator_class", TruthWithMistakes)
+    target, mtp, ids, plain, loops = _loop_case(SEED + 20, TruthWithMistakes, 60, monkeypatch)
 
     class Collect(BaseStreamer):
         def __init__(self):
@@ -185,21 +191,8 @@ def test_our_loop_serves_sampled_calls_on_the_graphed_target(k, monkeypatch):
     """Sampling with graph-safe warpers runs our loop too.  With top-k = 1 sampling is greedy, so the output must
     equal plain greedy generate at every length, accepting the right drafts and rejecting the wrong ones; a
     processor that reads the sequence (repetition penalty) goes to transformers' loop."""
-    from dsv4_mtp_hf.generation import assisted_loop
-
     seed = SEED + 21
-    print(f"seed={seed}")
-    target, mtp = tiny_pair(seed=seed)
-    ids = ids_of(seed, 9)
-    plain = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
-    rng = random.Random(seed)
-    SampledTruthWithMistakes.truth = plain
-    SampledTruthWithMistakes.wrong_at = {p for p in range(9, 49) if rng.random() < 0.3}
-    graph_target(target, max_length=128)
-    loops = []
-    real = assisted_loop.decode
-    monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
-    monkeypatch.setattr(mtp, "candidate_generator_class", SampledTruthWithMistakes)
+    target, mtp, ids, plain, loops = _loop_case(seed, SampledTruthWithMistakes, 40, monkeypatch)
     kw = dict(do_sample=True, top_k=1, temperature=0.7, top_p=0.9, eos_token_id=None)
     for n in (1, 4, 40):
         got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=n, **kw)
