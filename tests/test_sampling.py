@@ -69,6 +69,53 @@ def test_draw_samples_each_row_from_its_distribution_and_never_a_zero():
         assert chi2_pvalue(counts, probs[row]) > 1e-3, (counts / n, probs[row])
 
 
+@pytest.mark.parametrize("v", [5000, 3 * 1024, 700])
+def test_top_k_finds_torch_topk(v):
+    """The split selection returns what one ``torch.topk`` does: a remainder chunk (5000), whole chunks only
+    (3072), one stage (700); rows with -inf entries (a draft vocabulary) among them."""
+    g = torch.Generator().manual_seed(SEED + v)
+    logits = torch.randn(3, v, generator=g) * 4
+    logits[1, torch.randperm(v, generator=g)[: v // 2]] = float("-inf")
+    for k in (1, 50, 200):
+        values, index = sampling.top_k(logits, k)
+        want_values, want_index = logits.topk(k, dim=-1)
+        assert torch.equal(values, want_values) and torch.equal(index, want_index), k
+    values, index = sampling.top_k(logits, v)  # every entry
+    assert torch.equal(values, logits.sort(-1, descending=True).values)
+
+
+def _top_k_lists():
+    return {
+        "temperature, top-k, top-p, min-p": LogitsProcessorList([
+            TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.8), MinPLogitsWarper(0.02)]),
+        "a finite filter value (the whole row)": LogitsProcessorList([
+            TopKLogitsWarper(30, filter_value=-1e4), TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.9)]),
+        "top-p only (the whole row)": LogitsProcessorList([TemperatureLogitsWarper(2.0), TopPLogitsWarper(0.9)]),
+        "top-p before top-k (the whole row)": LogitsProcessorList([TopPLogitsWarper(0.9), TopKLogitsWarper(20)]),
+        "none": LogitsProcessorList(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_top_k_lists()))
+def test_draft_draw_hands_back_the_warped_logits_and_draws_from_them(name):
+    """The draft's processed logits are transformers' warp of the row (with a top-k: computed on its k best
+    logits), and its token is drawn from their softmax -- the q that keeps speculative sampling exact."""
+    warpers = _top_k_lists()[name]
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(4, 2500, generator=g) * 3
+    token, processed = sampling.draft_draw(warpers, logits, g)
+    torch.testing.assert_close(processed, sampling.warp(warpers, logits), rtol=0, atol=0)
+    assert token.shape == (4,) and bool(torch.isfinite(processed.gather(-1, token[:, None])).all())
+    row = logits[2:3].expand(8000, -1)
+    tokens, _ = sampling.draft_draw(warpers, row, g)
+    probs = processed[2].softmax(-1)
+    counts = torch.bincount(tokens, minlength=probs.numel())
+    assert counts[probs == 0].sum() == 0, "a draft the processed distribution forbids"
+    big = probs * counts.sum() >= 5  # the chi-square over the tokens expected 5+ times, the rest pooled
+    pooled = lambda t: torch.cat([t[big], t[~big].sum().view(1)])  # noqa: E731
+    assert chi2_pvalue(pooled(counts), pooled(probs)) > 1e-3
+
+
 @pytest.mark.parametrize("g_drafts", [0, 1, 3])
 def test_speculative_accept_emits_the_target_distribution(g_drafts):
     """Drafts drawn from q, verified against p: the first emitted token is distributed as p_0 and, given the

@@ -129,8 +129,8 @@ class GraphedDrafter:
         logits = logits.float()
         if not self.sampled:
             return argmax_last(logits).unsqueeze(-1), logits
-        processed = sampling.warp(self.warpers, logits)
-        return sampling.draw(processed.softmax(dim=-1)).unsqueeze(-1), processed
+        token, processed = sampling.draft_draw(self.warpers, logits)
+        return token.unsqueeze(-1), processed
 
     def round(self, ids: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole round from ``ids [B, n]`` (the tokens t_{p+1} of the n verified rows) and
