@@ -45,13 +45,14 @@ demo: $(VENV)/.installed
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
 
-# On a CUDA machine: the FP4 MoE op, the draft step, the target's decode step with packed experts and
-# generate end to end; each prints its table last.
+# On a CUDA machine: the FP4 MoE op, the draft step, the target's decode step with packed experts, the
+# sampled round's warps and generate end to end; each prints its table last.
 OUT ?= .
 bench:
 	$(PYTHON) benchmarks/moe_op.py --out $(OUT)
 	$(PYTHON) benchmarks/draft_step.py --out $(OUT)
 	$(PYTHON) benchmarks/target_step.py --out $(OUT)
+	$(PYTHON) benchmarks/sampling_warp.py --out $(OUT)
 	$(PYTHON) benchmarks/e2e_generate.py --out $(OUT)
 	$(PYTHON) benchmarks/e2e_generate.py --fp4-experts --graph-target --layers 2,5 --batches "" --out $(OUT)/fast
 

@@ -69,21 +69,6 @@ def test_draw_samples_each_row_from_its_distribution_and_never_a_zero():
         assert chi2_pvalue(counts, probs[row]) > 1e-3, (counts / n, probs[row])
 
 
-@pytest.mark.parametrize("v", [5000, 3 * 1024, 700])
-def test_top_k_finds_torch_topk(v):
-    """The split selection returns what one ``torch.topk`` does: a remainder chunk (5000), whole chunks only
-    (3072), one stage (700); rows with -inf entries (a draft vocabulary) among them."""
-    g = torch.Generator().manual_seed(SEED + v)
-    logits = torch.randn(3, v, generator=g) * 4
-    logits[1, torch.randperm(v, generator=g)[: v // 2]] = float("-inf")
-    for k in (1, 50, 200):
-        values, index = sampling.top_k(logits, k)
-        want_values, want_index = logits.topk(k, dim=-1)
-        assert torch.equal(values, want_values) and torch.equal(index, want_index), k
-    values, index = sampling.top_k(logits, v)  # every entry
-    assert torch.equal(values, logits.sort(-1, descending=True).values)
-
-
 def _top_k_lists():
     return {
         "temperature, top-k, top-p, min-p": LogitsProcessorList([

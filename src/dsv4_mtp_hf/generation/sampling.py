@@ -62,36 +62,20 @@ def _candidates(warpers) -> int | None:
     return None
 
 
-def top_k(logits: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, indices)`` of the ``k`` largest entries of each row of ``logits [B, V]``, sorted descending: the
-    top-k of each whole ``chunk`` of the row (and the remainder's entries), then the top-k of those.  For one row
-    ``torch.topk`` over a 129k vocabulary is one latency-bound selection (~70 us on an H100); the split runs its
-    first stage over all chunks at once."""
-    b, v = logits.shape
-    whole = v - v % chunk
-    if k > chunk or whole < 2 * chunk:
-        return logits.topk(min(k, v), dim=-1)
-    values, index = logits[:, :whole].reshape(b, -1, chunk).topk(k, dim=-1)
-    index = index + torch.arange(0, whole, chunk, device=logits.device).view(1, -1, 1)
-    rest = torch.arange(whole, v, device=logits.device).expand(b, -1)
-    values, index = torch.cat([values.view(b, -1), logits[:, whole:]], -1), torch.cat([index.view(b, -1), rest], -1)
-    values, pick = values.topk(k, dim=-1)
-    return values, index.gather(-1, pick)
-
-
 def draft_draw(warpers, logits: torch.Tensor, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft from fp32 logits ``[B, V]``: ``(token [B], processed logits [B, V])``, the token drawn from
     ``softmax(processed)`` -- any distribution keeps speculative sampling exact as long as it is the one handed
     back as ``q``.  With a top-k among the warpers (``generate``'s default sampling has ``top_k=50``) only its k
-    best logits can survive, so the warpers run on those k and the rest is -inf: transformers' ``warp`` but for which of several logits tied at the k-th value survive, without its sorts of the whole
-    vocabulary (~0.2 ms a draft on an H100)."""
+    best logits can survive, so the warpers run on those k and the rest is -inf: transformers' ``warp`` but for
+    which of several logits tied at the k-th value survive, without its second top-k and its sort of the whole
+    vocabulary (graphed on an H100: 127 against 295 us a draft, BENCHMARKS.md)."""
     logits = logits.float()
     k = _candidates(warpers)
     if k is None or k >= logits.shape[-1]:
         processed = warp(warpers, logits)
         return draw(processed.softmax(dim=-1), generator), processed
-    values, index = top_k(logits, k)
+    values, index = logits.topk(k, dim=-1)
     values = warp(warpers, values)
     processed = torch.full_like(logits, float("-inf")).scatter_(-1, index, values)
     token = index.gather(-1, draw(values.softmax(dim=-1), generator).unsqueeze(-1)).squeeze(-1)
