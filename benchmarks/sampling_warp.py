@@ -6,8 +6,8 @@ One command on the GPU::
 
     PYTHONPATH=src python3 benchmarks/sampling_warp.py --out $OUT
 
-Warpers: temperature 0.6, top-k 50, top-p 0.95 (``e2e_generate.py --sample``).  Each case runs 3 times on a
-side stream, then is timed eagerly and as one graph replay: CUDA events around each call, median of ``--iters``.
+Warpers: temperature 0.6, top-k 50, top-p 0.95 (``e2e_generate.py --sample``).  Each case is timed eagerly
+(after 10 calls) and as a CUDA graph of one call (``attention_op.graphed_us``): CUDA events, median of ``--iters``.
 Prints a table and writes ``sampling_warp.txt`` to ``--out``.
 """
 
@@ -28,31 +28,22 @@ from transformers.generation.logits_process import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_op import graphed_us  # noqa: E402  (a CUDA graph of the call, median per replay)
 from dsv4_mtp_hf.generation import sampling  # noqa: E402
 
 VOCAB = 129280
 
 
-def median_us(fn, graph: bool, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
+def eager_us(fn, iters: int) -> float:
+    """Median µs of one eager call (launches included), CUDA events around each."""
     for _ in range(10):
-        run()
+        fn()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
@@ -81,7 +72,7 @@ def main() -> None:
             cases["verify: warp + softmax + speculative_accept"] = lambda: sampling.speculative_accept(
                 drafts, q, sampling.warp(warpers, x).softmax(-1)[None])
         for name, fn in cases.items():
-            rows.append((n, name, median_us(fn, False, args.iters), median_us(fn, True, args.iters)))
+            rows.append((n, name, eager_us(fn, args.iters), graphed_us(fn, 1, args.iters)))
     lines = [f"{torch.cuda.get_device_name()}, vocabulary {VOCAB}, median of {args.iters}",
              f"{'rows':>4} | {'case':44} | eager us | graphed us"]
     lines += [f"{n:>4} | {name:44} | {e:8.1f} | {g:10.1f}" for n, name, e, g in rows]
