@@ -52,7 +52,7 @@ from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
 from dsv4_mtp_hf.generation.candidate import MtpCandidateGenerator  # noqa: E402
-from dsv4_mtp_hf.generation.ragged_target import RaggedTargetForward  # noqa: E402
+from dsv4_mtp_hf.target.ragged import RaggedTargetForward  # noqa: E402
 
 SEED = 1234
 MARGIN = 1000.0

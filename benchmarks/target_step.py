@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, sync, wall  # noqa: E402
 
 from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts  # noqa: E402
-from dsv4_mtp_hf.generation.target_graph import graphed  # noqa: E402
-from dsv4_mtp_hf.target_experts import expert_bytes  # noqa: E402
+from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
+from dsv4_mtp_hf.target.experts import expert_bytes  # noqa: E402
 
 SEED = 4321
 

@@ -9,8 +9,8 @@ import torch
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import (CacheRollbackError, GraphedTargetCache, MtpCandidateGenerator,
                                     RollbackDeepseekV4Cache, mtp_decoding)
-from dsv4_mtp_hf.generation import target_graph
-from dsv4_mtp_hf.generation.binding import _cache_kwarg
+from dsv4_mtp_hf.target import graph as target_graph
+from dsv4_mtp_hf.compat import cache_kwarg as _cache_kwarg
 
 from .helpers import draw_until_clear, tiny_pair
 
@@ -72,7 +72,7 @@ def test_plain_and_assisted_generate_on_the_graphed_target_equal_plain_generate(
     assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw), plain)
     assert mtp.last_generation_stats.rounds > 0
     # the graphed state is what served the calls
-    assert target._dsv4_target_graphs.sequence.get_seq_length() > 80
+    assert target_graph.graphed(target).sequence.get_seq_length() > 80
     # a cache of the caller's own runs transformers' forward, on which the MTP reads its residual as on any target
     own = RollbackDeepseekV4Cache(target.config, max_rollback=k)
     assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, past_key_values=own, **kw)

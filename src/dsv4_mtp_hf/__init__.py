@@ -5,9 +5,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
-from .generation.target_graph import graph_target, ungraph_target
+from .target import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
 from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
-from .target_experts import DeepseekV4PackedExpertsForCausalLM, pack_fp4_experts
 
 AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)
 AutoModelForCausalLM.register(DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, exist_ok=True)

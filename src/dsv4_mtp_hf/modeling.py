@@ -152,7 +152,6 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self._shared: _SharedTargetModules | None = None
-        self._active_run = None  # set by the binding during an assisted generate call
         self.last_generation_stats = None  # GenerationStats of the last assisted generate call
         self.post_init()
         if self.generation_config is not None:

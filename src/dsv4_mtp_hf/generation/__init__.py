@@ -5,8 +5,7 @@ from .candidate import MtpCandidateGenerator
 from .grammar import GrammarStats, XGrammarLogitsProcessor
 from .speculative import SpeculativeOutput, mtp_decoding, speculative_generate
 from .stats import GenerationStats
-from .target_cache import CacheRollbackError, RollbackDeepseekV4Cache
-from .target_graph import GraphedTargetCache, graph_target, ungraph_target
+from ..target import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, graph_target, ungraph_target
 
 __all__ = [
     "CacheRollbackError",

@@ -12,21 +12,18 @@ On a graphed target the call decodes through our loop (:mod:`.assisted_loop`), h
 
 from __future__ import annotations
 
-import functools
 import inspect
-import weakref
 
 import torch
 
+from .. import patching
+from ..compat import cache_kwarg
+from ..target.graph import GraphedTargetCache, final_length, graphed
+from ..target.rollback_cache import RollbackDeepseekV4Cache
 from . import assisted_loop
 from .candidate import MtpCandidateGenerator
 from .draft_length import AUTO_MAX_DRAFTS
 from .stats import GenerationStats
-from .target_cache import RollbackDeepseekV4Cache
-from .target_graph import GraphedTargetCache
-
-_INSTANCE_ATTRS = ("generate", "_get_candidate_generator")
-
 
 class _AssistedRun:
     """State of one assisted `generate` call."""
@@ -55,39 +52,6 @@ class _AssistedRun:
         if self._hook is not None:
             self._hook.remove()
         self._residual = None
-
-
-def _input_ids(args, kwargs):
-    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs")):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
-def _one_sequence(target, args, kwargs) -> bool:
-    """A cached generation of exactly one sequence by transformers' own loop (what a graphed target's step
-    runs); batches, beams, several returned sequences and custom decoding loops keep their own caches."""
-    if kwargs.get("custom_generate") is not None:
-        return False
-    ids = _input_ids(args, kwargs)
-    config = kwargs.get("generation_config") or target.generation_config
-    one = {k: kwargs.get(k, getattr(config, k, None)) for k in ("num_beams", "num_return_sequences", "use_cache")}
-    return (ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and (one["num_beams"] or 1) == 1
-            and (one["num_return_sequences"] or 1) == 1 and one["use_cache"] is not False)
-
-
-def _final_length(target, args, kwargs) -> int:
-    """The most tokens the call may reach (prompt + ``max_new_tokens``, else ``max_length``)."""
-    config = kwargs.get("generation_config") or target.generation_config
-    new = kwargs.get("max_new_tokens", None if "max_length" in kwargs else config.max_new_tokens)
-    if new is not None:
-        return _input_ids(args, kwargs).shape[1] + int(new)
-    return int(kwargs.get("max_length", config.max_length))
-
-
-def _cache_kwarg(target) -> str:
-    """transformers >= 5.24 calls the cache `cache`; 5.17 calls it `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
 
 
 def _candidates(mtp, run, generation_config, logits_processor):
@@ -119,72 +83,46 @@ def _graphed_decoding(mtp, run, name, streamer, synced_gpus):
 
 
 def attach(mtp, target) -> None:
-    drafts = target.__dict__.get("_dsv4_mtp_drafts")
-    if drafts is not None:  # another draft may share this target
-        drafts.add(mtp)
-        return
-    target._dsv4_mtp_drafts = weakref.WeakSet([mtp])
-    ensure_wrapped(target)
-
-
-def ensure_wrapped(target) -> None:
-    """The per-instance ``generate`` / ``_get_candidate_generator`` that bound drafts and a graphed
-    target (:mod:`.target_graph`) both rely on; installed once, removed by :func:`release_wrapper`."""
-    if "_dsv4_wrapped" in target.__dict__:
-        return
-    cls_generate = type(target).generate
-    cls_get_candidate_generator = type(target)._get_candidate_generator
-
-    @functools.wraps(cls_generate)
-    def generate(*args, **kwargs):
-        assistant = kwargs.get("assistant_model")
-        if getattr(getattr(assistant, "config", None), "model_type", None) == "deepseek_v4_mtp":
-            if assistant.target_model is not target:
-                raise ValueError(
-                    "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
-                    f"{'no target' if assistant.target_model is None else 'a different target'}); call "
-                    "`mtp.bind(target)` first."
-                )
-            return _assisted_generate(assistant, target, cls_generate, args, kwargs)
-        graphs = target.__dict__.get("_dsv4_target_graphs")
-        if graphs is not None and assistant is None and _one_sequence(target, args, kwargs):
-            name = _cache_kwarg(target)
-            if kwargs.get(name) is None and kwargs.get("past_key_values") is None:
-                graphs.check_length(_final_length(target, args, kwargs))
-                kwargs[name] = graphs.new_cache()  # plain generate on the graphed step
-        return cls_generate(target, *args, **kwargs)
-
-    def _get_candidate_generator(*args, **kwargs):
-        assistant = kwargs.get("assistant_model")
-        run = getattr(assistant, "_active_run", None)
-        if run is None or run.target is not target:
-            return cls_get_candidate_generator(target, *args, **kwargs)
-        return _candidates(assistant, run, kwargs["generation_config"], kwargs.get("logits_processor"))
-
-    target.generate = generate
-    target._get_candidate_generator = _get_candidate_generator
-    target._dsv4_wrapped = True
-
-
-def release_wrapper(target) -> None:
-    """Remove the per-instance wrapper once no draft is bound and the target is not graphed."""
-    if target.__dict__.get("_dsv4_mtp_drafts") or "_dsv4_target_graphs" in target.__dict__:
-        return
-    for name in _INSTANCE_ATTRS + ("_dsv4_mtp_drafts", "_dsv4_wrapped"):
-        target.__dict__.pop(name, None)
+    patching.record(target, create=True).drafts.add(mtp)
+    patching.refresh_generate(target)
 
 
 def detach(mtp, target) -> None:
-    drafts = target.__dict__.get("_dsv4_mtp_drafts")
-    if drafts is None:
+    rec = patching.record(target)
+    if rec is None:
         return
-    drafts.discard(mtp)
-    release_wrapper(target)  # the last draft leaves: the target is exactly as before binding (unless graphed)
+    rec.drafts.discard(mtp)
+    patching.refresh_generate(target)  # the last draft leaves: the target is exactly as before binding (unless graphed)
+
+
+def _assisted_call(target, cls_generate, args, kwargs):
+    """The generate handler of bound drafters: an assisted call with one of ours as ``assistant_model``."""
+    assistant = kwargs.get("assistant_model")
+    if getattr(getattr(assistant, "config", None), "model_type", None) != "deepseek_v4_mtp":
+        return NotImplemented
+    if assistant.target_model is not target:
+        raise ValueError(
+            "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
+            f"{'no target' if assistant.target_model is None else 'a different target'}); call "
+            "`mtp.bind(target)` first."
+        )
+    return _assisted_generate(assistant, target, cls_generate, args, kwargs)
+
+
+def _get_candidate_generator(target, run):
+    cls_get = type(target)._get_candidate_generator
+
+    def get(*args, **kwargs):
+        if kwargs.get("assistant_model") is not run.mtp:
+            return cls_get(target, *args, **kwargs)
+        return _candidates(run.mtp, run, kwargs["generation_config"], kwargs.get("logits_processor"))
+
+    return get
 
 
 def _assisted_generate(mtp, target, cls_generate, args, kwargs):
-    ids = _input_ids(args, kwargs)
-    if ids is not None and ids.dim() == 2 and ids.shape[0] != 1:
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:
         raise ValueError(
             f"MTP speculative decoding through `generate(assistant_model=...)` runs one sequence at a time "
             f"(transformers' assisted loop is batch-1), got a batch of {ids.shape[0]}. Generate each sequence "
@@ -202,13 +140,13 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
             f"`num_assistant_tokens`={k} exceeds what the MTP cache can roll back "
             f"(config.max_draft_tokens={mtp.config.max_draft_tokens}); raise `mtp.config.max_draft_tokens`."
         )
-    name = _cache_kwarg(target)
+    name = cache_kwarg(target)
     other = "past_key_values" if name == "cache" else "cache"
     cache = kwargs.pop(name, None)
     cache = kwargs.pop(other, None) if cache is None else cache
-    graphs = target.__dict__.get("_dsv4_target_graphs")
+    graphs = graphed(target)
     if cache is None and graphs is not None:
-        graphs.check_length(_final_length(target, args, kwargs))
+        graphs.check_length(final_length(target, args, kwargs))
         cache = graphs.new_cache(k)
     elif cache is None:
         cache = RollbackDeepseekV4Cache(target.config, max_rollback=k)
@@ -218,18 +156,18 @@ def _assisted_generate(mtp, target, cls_generate, args, kwargs):
             f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
         )
     kwargs[name] = cache
-    graphed = isinstance(cache, GraphedTargetCache)
-    run = _AssistedRun(mtp, target, k, auto, cache.graphs if graphed else None)
-    if graphed and kwargs.get("custom_generate") is None:
+    on_graphs = isinstance(cache, GraphedTargetCache)
+    run = _AssistedRun(mtp, target, k, auto, cache.graphs if on_graphs else None)
+    if on_graphs and kwargs.get("custom_generate") is None:
         call = inspect.signature(cls_generate).bind_partial(target, *args, **kwargs).arguments
         kwargs["custom_generate"] = _graphed_decoding(mtp, run, name, call.get("streamer"),
                                                       bool(call.get("synced_gpus")))
     mtp.last_generation_stats = run.stats
-    mtp._active_run = run
-    target._is_stateful = False  # instance attribute: this call only
     try:
-        return cls_generate(target, *args, **kwargs)
+        with patching.during(target, _is_stateful=False, _get_candidate_generator=_get_candidate_generator(target, run)):
+            return cls_generate(target, *args, **kwargs)
     finally:
         run.close()
-        mtp._active_run = None
-        target.__dict__.pop("_is_stateful", None)
+
+
+patching.register_generate_handler(_assisted_call, first=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sampling
-from .ragged_target import RaggedTargetForward
+from ..target.ragged import RaggedTargetForward
 from .stats import GenerationStats
 
 

@@ -24,13 +24,12 @@ move to each layer's device, caches (and batched state) live where their layer l
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from ..compat import takes_cache_kwarg
 from ..ops.hyper_connection import hc_pre
-from .batched_attention import BatchedSequence, BatchedTargetState
-from .target_cache import RollbackDeepseekV4Cache
+from .batched_state import BatchedSequence, BatchedTargetState
+from .rollback_cache import RollbackDeepseekV4Cache
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -63,10 +62,8 @@ class RaggedTargetForward:
         self.config = target.config
         self.attention, self.max_chunk = attention, int(max_chunk)
         self._mask_fn = create_sliding_window_causal_mask
-        attn_params = inspect.signature(type(self.model.layers[0].self_attn).forward).parameters
-        self._attn_cache_kw = "cache" if "cache" in attn_params else "past_key_values"
-        mask_params = inspect.signature(create_sliding_window_causal_mask).parameters
-        self._mask_cache_kw = "cache" if "cache" in mask_params else "past_key_values"
+        self._attn_cache_kw = takes_cache_kwarg(type(self.model.layers[0].self_attn).forward)
+        self._mask_cache_kw = takes_cache_kwarg(create_sliding_window_causal_mask)
 
     def new_cache(self, max_rollback: int) -> RollbackDeepseekV4Cache:
         return RollbackDeepseekV4Cache(self.config, max_rollback=max_rollback)

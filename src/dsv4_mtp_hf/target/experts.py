@@ -22,8 +22,8 @@ import torch
 from transformers import DeepseekV4ForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from . import fp4
-from .layers.moe import FP4Experts
+from .. import fp4, patching
+from ..layers.moe import FP4Experts
 
 EXPERTS_IMPLEMENTATION = "dsv4_fp4"
 QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
@@ -99,7 +99,7 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         fp4.get_format(expert_format)
     reader = None
     if release is not None:
-        from .loading.target_experts import ReleaseExperts
+        from .expert_reader import ReleaseExperts
 
         reader = ReleaseExperts(release, len(layers), c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
                                 expert_format, hub_kwargs)
@@ -121,14 +121,14 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         experts.fp4 = packed
         del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    model.save_pretrained = functools.partial(save_packed, model)  # per instance: transformers' save drops them
+    patching.install(model, "save_pretrained", functools.partial(save_packed, model))  # transformers' save drops them
     return model
 
 
 def _expert_tensors(layer: int, packed: FP4Experts) -> dict[str, torch.Tensor]:
     """One layer's packed experts under the names and layout of a release: native MXFP4 (``.weight`` int8,
     ``.scale`` E8M0), or ModelOpt NVFP4 (``.weight``, ``.weight_scale`` E4M3, ``.weight_scale_2`` fp32)."""
-    from .loading.formats import SAFETENSORS_DTYPES
+    from ..loading.formats import SAFETENSORS_DTYPES
 
     e8m0 = SAFETENSORS_DTYPES["F8_E8M0"] or torch.uint8  # raw exponent bytes read back as U8 too
     i, out = packed.intermediate_size, {}
@@ -224,7 +224,7 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
         reads; the other arguments are ``from_pretrained``'s (``dtype``, ``device_map``, ...)."""
         from transformers import AutoConfig
 
-        from .loading.target_experts import ReleaseExperts
+        from .expert_reader import ReleaseExperts
 
         hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
         config = kwargs.pop("config", None) or AutoConfig.from_pretrained(release, **hub)

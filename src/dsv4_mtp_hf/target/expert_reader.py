@@ -15,9 +15,9 @@ from contextlib import ExitStack
 
 import torch
 
-from . import formats as F
-from .formats import MtpCheckpointError
-from .native import (
+from ..loading import formats as F
+from ..loading.formats import MtpCheckpointError
+from ..loading.native import (
     EXPERT_MATRICES,
     Unit,
     _fill_expert,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
-from .target_cache import CacheRollbackError
+from .rollback_cache import CacheRollbackError
 
 __all__ = ["BatchedTargetState", "BatchedSequence"]
 

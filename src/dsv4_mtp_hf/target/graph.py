@@ -43,8 +43,10 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-from .batched_attention import BatchedTargetState
-from .ragged_target import RaggedTargetForward
+from .. import patching
+from ..compat import cache_kwarg, dynamo_recompile_limit
+from .batched_state import BatchedTargetState
+from .ragged import RaggedTargetForward
 
 __all__ = ["GraphedTargetCache", "TargetGraphs", "graph_target", "ungraph_target"]
 
@@ -351,9 +353,7 @@ class TargetGraphs:
 
     def _run(self, fn, n: int, what: str):
         # layers of one kind and one n share a compiled block: kinds x max_rows entries in Dynamo's cache
-        dynamo = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-        with dynamo.patch(**{limit: max(64, 8 * self.max_rows)}):
+        with torch._dynamo.config.patch(**{dynamo_recompile_limit(): max(64, 8 * self.max_rows)}):
             try:
                 return fn()
             except Exception as e:
@@ -380,12 +380,6 @@ class TargetGraphs:
                 g.graph = graph
 
 
-def _cache_name(target) -> str:
-    from .binding import _cache_kwarg
-
-    return _cache_kwarg(target)
-
-
 def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile: bool = True) -> TargetGraphs:
     """Make ``target``'s decode steps replay as CUDA graphs (module docstring).
 
@@ -397,13 +391,11 @@ def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile:
     Afterwards ``target.generate(...)`` (plain, or with ``assistant_model=mtp``) runs the graphed
     step; ``target(ids, past_key_values=graphs.new_cache())`` too.  ``ungraph_target`` undoes it.
     """
-    if "_dsv4_target_graphs" in target.__dict__:
+    if graphed(target) is not None:
         raise ValueError("this target is already graphed; call ungraph_target(target) first to change max_length.")
     graphs = TargetGraphs(target, max_length, max_rollback, compile)
-    from .binding import ensure_wrapped
-
     bound = type(target).forward.__get__(target)
-    name = _cache_name(target)
+    name = cache_kwarg(target)
 
     @functools.wraps(bound)
     def forward(*args, **kwargs):
@@ -420,22 +412,66 @@ def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile:
                 raise TypeError("a graphed target's forward takes input_ids positionally, the rest by keyword.")
         return graphs.forward(cache, output_class=MoeCausalLMOutputWithPast, cache_name=name, **kwargs)
 
-    target.forward = forward
-    target._dsv4_target_graphs = graphs
-    ensure_wrapped(target)
+    patching.install(target, "forward", forward)
+    patching.record(target, create=True).graphs = graphs
+    patching.refresh_generate(target)
     return graphs
 
 
 def ungraph_target(target) -> None:
     """Undo :func:`graph_target`: transformers' own forward and cache again."""
-    from .binding import release_wrapper
-
-    if target.__dict__.pop("_dsv4_target_graphs", None) is None:
+    rec = patching.record(target)
+    if rec is None or rec.graphs is None:
         raise ValueError("this target is not graphed (graph_target was not called on it).")
-    target.__dict__.pop("forward", None)
-    release_wrapper(target)
+    rec.graphs = None
+    patching.uninstall(target, "forward")
+    patching.refresh_generate(target)
+
+
+def _plain_generate_on_graphs(target, cls_generate, args, kwargs):
+    """A plain batch-1 ``generate`` on a graphed target gets a cache of the graphed step (else it is passed on)."""
+    graphs = graphed(target)
+    if graphs is None or kwargs.get("assistant_model") is not None or not _one_sequence(target, args, kwargs):
+        return NotImplemented
+    name = cache_kwarg(target)
+    if kwargs.get(name) is None and kwargs.get("past_key_values") is None:
+        graphs.check_length(final_length(target, args, kwargs))
+        kwargs[name] = graphs.new_cache()
+    return cls_generate(target, *args, **kwargs)
+
+
+def _input_ids(args, kwargs):
+    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs")):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _one_sequence(target, args, kwargs) -> bool:
+    """A cached generation of exactly one sequence by transformers' own loop (what a graphed target's step
+    runs); batches, beams, several returned sequences and custom decoding loops keep their own caches."""
+    if kwargs.get("custom_generate") is not None:
+        return False
+    ids = _input_ids(args, kwargs)
+    config = kwargs.get("generation_config") or target.generation_config
+    one = {k: kwargs.get(k, getattr(config, k, None)) for k in ("num_beams", "num_return_sequences", "use_cache")}
+    return (ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and (one["num_beams"] or 1) == 1
+            and (one["num_return_sequences"] or 1) == 1 and one["use_cache"] is not False)
+
+
+def final_length(target, args, kwargs) -> int:
+    """The most tokens a ``generate`` call may reach (prompt + ``max_new_tokens``, else ``max_length``)."""
+    config = kwargs.get("generation_config") or target.generation_config
+    new = kwargs.get("max_new_tokens", None if "max_length" in kwargs else config.max_new_tokens)
+    if new is not None:
+        return _input_ids(args, kwargs).shape[1] + int(new)
+    return int(kwargs.get("max_length", config.max_length))
+
+
+patching.register_generate_handler(_plain_generate_on_graphs)
 
 
 def graphed(target) -> TargetGraphs | None:
     """The target's :class:`TargetGraphs`, or None when it is not graphed."""
-    return target.__dict__.get("_dsv4_target_graphs")
+    rec = patching.record(target)
+    return None if rec is None else rec.graphs
