@@ -146,15 +146,43 @@ def _expert_tensors(layer: int, packed: FP4Experts) -> dict[str, torch.Tensor]:
     return out
 
 
+INDEX_FILE = "model.safetensors.index.json"
+# In the index metadata of every save_packed: marks a folder as ours (its listed files may be replaced).
+SAVE_MARK = ("dsv4_mtp_hf", "packed_experts")
+
+
+def _earlier_save(save_directory) -> set[str]:
+    """The files an earlier :func:`save_packed` into ``save_directory`` listed (empty: none there)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(save_directory, INDEX_FILE), encoding="utf-8") as f:
+            index = json.load(f)
+        if index.get("metadata", {}).get(SAVE_MARK[0]) == SAVE_MARK[1]:
+            return set(index["weight_map"].values())
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    return set()
+
+
 def save_packed(model, save_directory, **kwargs) -> None:
     """``save_pretrained`` of a model with packed experts: transformers writes everything else (its names,
     its shards), then each layer's experts go into a shard of their own as a release stores them, listed in
-    the index.  :class:`DeepseekV4PackedExpertsForCausalLM` loads the result back, packed, bit for bit."""
+    the index.  :class:`DeepseekV4PackedExpertsForCausalLM` loads the result back, packed, bit for bit.
+
+    Only into a new or empty directory or over an earlier save of a packed target: a directory holding a
+    release, a draft or any other model's files is refused before anything is written (transformers' save
+    would overwrite its ``config.json`` and delete its shards).  ``push_to_hub`` uploads the folder once the
+    experts are written too."""
     import json
     import os
 
     from safetensors.torch import save_file
     from transformers import PreTrainedModel
+
+    from ..loading.remote_code import pop_push_arguments, push_saved_folder
+    from ..loading.save_guard import check_save_directory
 
     if getattr(model.config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
         raise NotImplementedError(
@@ -164,19 +192,26 @@ def save_packed(model, save_directory, **kwargs) -> None:
     if kwargs.get("safe_serialization") is False:
         raise ValueError("packed experts are saved as safetensors only (safe_serialization=True).")
     layers = _experts_modules(model)
+    earlier = _earlier_save(save_directory)
+    check_save_directory(save_directory, model.config.model_type, lambda name: True, "packed DeepSeek-V4 target",
+                         owns_file=lambda f: f in earlier or (f == INDEX_FILE and bool(earlier)))
+    push = pop_push_arguments(kwargs)
     state = {k: v for k, v in model.state_dict().items() if ".experts.fp4." not in k}
     PreTrainedModel.save_pretrained(model, save_directory, state_dict=state, **kwargs)
-    index_path = os.path.join(save_directory, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            index = json.load(f)
-    else:  # one file: renamed as a shard, since loaders read a lone model.safetensors and never the index
+    if not kwargs.get("is_main_process", True):
+        return
+    index_path = os.path.join(save_directory, INDEX_FILE)
+    single_path = os.path.join(save_directory, "model.safetensors")
+    if os.path.exists(single_path):  # one file, just written: renamed as a shard (loaders read a lone one, no index)
         from safetensors import safe_open
 
         single = "model-00001-of-00001.safetensors"
-        os.replace(os.path.join(save_directory, "model.safetensors"), os.path.join(save_directory, single))
+        os.replace(single_path, os.path.join(save_directory, single))
         with safe_open(os.path.join(save_directory, single), framework="pt") as f:
             index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), single)}
+    else:  # sharded: the index transformers just wrote
+        with open(index_path) as f:
+            index = json.load(f)
     total = index.setdefault("metadata", {}).get("total_size", 0)
     for i, experts in layers:
         name = f"experts-{i + 1:05d}-of-{len(layers):05d}.safetensors"
@@ -185,8 +220,14 @@ def save_packed(model, save_directory, **kwargs) -> None:
         index["weight_map"].update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index["metadata"]["total_size"] = total
+    index["metadata"][SAVE_MARK[0]] = SAVE_MARK[1]
     with open(index_path, "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
+    for stale in earlier - set(index["weight_map"].values()):  # our own earlier files this save did not rewrite
+        path = os.path.join(save_directory, stale)
+        if os.path.dirname(stale) == "" and os.path.isfile(path):
+            os.remove(path)
+    push_saved_folder(save_directory, push, "Upload DeepSeek-V4 target with packed FP4 experts")
 
 
 class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
