@@ -163,20 +163,27 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target_model=None, **kwargs):
         """Load a standalone MTP checkpoint (``model_type: deepseek_v4_mtp``, ours) or the MTP
-        layer of an original DeepSeek-V4 release (``model_type: deepseek_v4``; only the
-        shards holding ``mtp.*`` are fetched). ``device_map="auto"`` with a target places
-        the MTP where the target's lm head lives."""
-        from .loading import is_native_checkpoint, load_native_mtp
+        layer of an original DeepSeek-V4 release (``model_type: deepseek_v4``, or native ``mtp.0.*``
+        tensors beside a config that reads as a V4 config; only the shards holding ``mtp.*`` are
+        fetched). ``device_map="auto"`` with a target places the MTP where the target's lm head lives.
+
+        Never initialises silently: another model's checkpoint, a saved draft with a missing,
+        unexpected or mis-shaped tensor, and truncated files raise :class:`MtpCheckpointError`."""
+        from .loading import checkpoint_kind, load_native_mtp, load_saved_draft
         from .loading.native import lm_head_device
 
-        if not args and is_native_checkpoint(pretrained_model_name_or_path, kwargs):
+        kind, v4_config = checkpoint_kind(pretrained_model_name_or_path, kwargs)
+        if kind == "native" and not args:
+            if v4_config is not None:
+                kwargs["config"] = v4_config
             return load_native_mtp(cls, pretrained_model_name_or_path, target_model=target_model, **kwargs)
         if target_model is not None and kwargs.get("device_map") == "auto":
             kwargs["device_map"] = {"": lm_head_device(target_model)}
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        loaded = load_saved_draft(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
         if target_model is not None:
             model.bind(target_model)
-        return model
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained`` (experts stay packed, no embedding/head), plus the

@@ -16,6 +16,15 @@ A release is a ``config.json`` (``model_type: deepseek_v4``), a
 
 The target's embedding and lm head (``embed.weight`` / ``head.weight``) are never read:
 the MTP shares them with the target by reference.
+
+:func:`load_native_mtp` is those steps in order: :func:`read_native_source` (config, index,
+headers), :func:`plan_native_model` (plan + checks on a meta model), :func:`fill_native_model`
+(allocate + fill), :func:`finalize_native_model`.  The per-block tables (``BLOCK_PLAIN``,
+``BLOCK_LINEAR``, ``BLOCK_EXPERTS``) and :func:`block_units`, :func:`detect_block_experts`,
+:func:`validate_plan`, :func:`fill_units` take the native block prefix (``mtp.0.``) and our
+module prefix (``block.``) as arguments, so a drafter of several V4 blocks (``mtp.0.``,
+``mtp.1.``, ...) can plan, check and fill each of its blocks with them.  Index entries must
+name shards inside the checkpoint directory (:func:`check_shard_names`).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import re
 import struct
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
 from torch import nn
@@ -55,44 +65,54 @@ IGNORED_KWARGS = (
     "attn_implementation", "output_loading_info", "weights_only", "key_mapping", "adapter_kwargs",
 )
 
-# native suffix (after `mtp.0.`) -> our parameter name; stored as BF16/F32 tensors.
-PLAIN_TENSORS = {
+# Per-block tables: a V4 block stored under a native prefix (``mtp.0.``; a drafter of several blocks: ``mtp.1.``,
+# ...), filled into a module of ours (the MTP's ``block.``).  Native suffix (after the block prefix) -> our name
+# (after the module prefix).  Stored as BF16/F32 tensors:
+BLOCK_PLAIN = {
+    "hc_attn_fn": "attn_hc.fn",
+    "hc_attn_base": "attn_hc.base",
+    "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn",
+    "hc_ffn_base": "ffn_hc.base",
+    "hc_ffn_scale": "ffn_hc.scale",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
+    "attn.attn_sink": "self_attn.sinks",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+}
+# native module -> our module; ``.weight`` possibly FP8 with a block ``.scale``, or NVFP4:
+BLOCK_LINEAR = {
+    "attn.wq_a": "self_attn.q_a_proj",
+    "attn.wq_b": "self_attn.q_b_proj",
+    "attn.wkv": "self_attn.kv_proj",
+    "attn.wo_a": "self_attn.o_a_proj",
+    "attn.wo_b": "self_attn.o_b_proj",
+    "ffn.gate": "mlp.gate",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
+BLOCK_EXPERTS = ("ffn.experts", "mlp.experts")  # native routed experts ``{e}.w1/w3/w2`` -> our FP4Experts module
+
+# The MTP's own tensors around its block, under the same native prefix (``mtp.0.``), filled into the model root.
+MTP_PLAIN = {
     "enorm.weight": "enorm.weight",
     "hnorm.weight": "hnorm.weight",
     "norm.weight": "norm.weight",
     "hc_head_fn": "hc_head.hc_fn",
     "hc_head_base": "hc_head.hc_base",
     "hc_head_scale": "hc_head.hc_scale",
-    "hc_attn_fn": "block.attn_hc.fn",
-    "hc_attn_base": "block.attn_hc.base",
-    "hc_attn_scale": "block.attn_hc.scale",
-    "hc_ffn_fn": "block.ffn_hc.fn",
-    "hc_ffn_base": "block.ffn_hc.base",
-    "hc_ffn_scale": "block.ffn_hc.scale",
-    "attn_norm.weight": "block.input_layernorm.weight",
-    "ffn_norm.weight": "block.post_attention_layernorm.weight",
-    "attn.q_norm.weight": "block.self_attn.q_a_norm.weight",
-    "attn.kv_norm.weight": "block.self_attn.kv_norm.weight",
-    "attn.attn_sink": "block.self_attn.sinks",
-    "ffn.gate.bias": "block.mlp.gate.e_score_correction_bias",
 }
+MTP_LINEAR = {"e_proj": "e_proj", "h_proj": "h_proj"}
+MTP_BLOCK = "block."  # the MTP's block module
 
-# native module (after `mtp.0.`) -> our module; `.weight` possibly FP8 with a block `.scale`.
-LINEAR_MODULES = {
-    "e_proj": "e_proj",
-    "h_proj": "h_proj",
-    "attn.wq_a": "block.self_attn.q_a_proj",
-    "attn.wq_b": "block.self_attn.q_b_proj",
-    "attn.wkv": "block.self_attn.kv_proj",
-    "attn.wo_a": "block.self_attn.o_a_proj",
-    "attn.wo_b": "block.self_attn.o_b_proj",
-    "ffn.gate": "block.mlp.gate",
-    "ffn.shared_experts.w1": "block.mlp.shared_experts.gate_proj",
-    "ffn.shared_experts.w3": "block.mlp.shared_experts.up_proj",
-    "ffn.shared_experts.w2": "block.mlp.shared_experts.down_proj",
-}
+# The whole MTP layer's tables (native suffix after ``mtp.0.`` -> our name), kept for readers of the mapping.
+PLAIN_TENSORS = {**MTP_PLAIN, **{k: MTP_BLOCK + v for k, v in BLOCK_PLAIN.items()}}
+LINEAR_MODULES = {**MTP_LINEAR, **{k: MTP_BLOCK + v for k, v in BLOCK_LINEAR.items()}}
+EXPERTS = MTP_BLOCK + BLOCK_EXPERTS[1]
 
-EXPERTS = "block.mlp.experts"
 EXPERT_MATRICES = ("w1", "w3", "w2")
 # Duplicates of the target's embedding / head that some conversions store under mtp.*.
 SHARED_DUPLICATES = re.compile(r"^mtp\.\d+\.(emb|embed|embed_tokens|head|shared_head)\.")
@@ -115,12 +135,24 @@ def resolve_file(path_or_repo, filename: str, hub: dict, required: bool = True) 
     )
 
 
+def read_json_file(path: str, what: str) -> dict:
+    """A JSON object from ``path``; a truncated or damaged file is named in the error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtpCheckpointError(
+            f"The {what} {path} is not valid JSON ({e}): the file is truncated or corrupt. Download it again "
+            "(e.g. `huggingface-cli download` with `--force-download`) or restore it from the release."
+        ) from None
+    if not isinstance(data, dict):
+        raise MtpCheckpointError(f"The {what} {path} holds a JSON {type(data).__name__}, not an object: it is corrupt.")
+    return data
+
+
 def read_config_dict(path_or_repo, hub: dict) -> dict | None:
     path = resolve_file(path_or_repo, CONFIG_FILE, hub, required=False)
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return None if path is None else read_json_file(path, "config file")
 
 
 def is_native_checkpoint(path_or_repo, kwargs: dict) -> bool:
@@ -135,13 +167,32 @@ def is_native_checkpoint(path_or_repo, kwargs: dict) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") == "deepseek_v4"
 
 
+def check_shard_names(weight_map: dict, index_path: str) -> None:
+    """Every shard an index names must lie inside the checkpoint directory: no absolute path, no ``..``
+    component (transformers' own rule, ``utils/hub.py::_check_shard_filenames_stay_in_model_dir``; names
+    are checked, not resolved, since the Hub cache holds symlinks).  Windows forms are refused too."""
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise MtpCheckpointError(f"The index {index_path} gives tensor {tensor!r} the shard {shard!r}, not a file name.")
+        posix, windows = PurePosixPath(shard), PureWindowsPath(shard)
+        if posix.anchor or windows.anchor or ".." in posix.parts or ".." in windows.parts:
+            raise MtpCheckpointError(
+                f"The index {index_path} places tensor {tensor!r} in {shard!r}, outside the checkpoint directory. "
+                "Refusing to read it: a release's index names shard files inside its own directory. Fix the index "
+                "(or download the release again)."
+            )
+
+
 def read_weight_map(path_or_repo, hub: dict) -> tuple[dict[str, str], str | None]:
     """(tensor name -> shard file, the path of a single-file checkpoint or None) from the index, or from
     ``model.safetensors`` when there is no index."""
     index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
     if index_path is not None:
-        with open(index_path, encoding="utf-8") as f:
-            return json.load(f).get("weight_map") or {}, None
+        weight_map = read_json_file(index_path, "weight index").get("weight_map") or {}
+        if not isinstance(weight_map, dict):
+            raise MtpCheckpointError(f"The weight index {index_path} has a `weight_map` that is not an object: corrupt.")
+        check_shard_names(weight_map, index_path)
+        return weight_map, None
     single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
     if single is None:
         raise MtpCheckpointError(
@@ -151,26 +202,37 @@ def read_weight_map(path_or_repo, hub: dict) -> tuple[dict[str, str], str | None
     return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
 
 
+REDOWNLOAD = "Download it again (or restore it from the release / re-save the model)."
+
+
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple]]:
-    """name -> (dtype string, shape), with sanity checks that name the broken tensor."""
+    """name -> (dtype string, shape), with sanity checks that name the broken file and tensor."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise MtpCheckpointError(f"Shard {path} is truncated or not a safetensors file (size {size} bytes).")
+            raise MtpCheckpointError(f"File {path} is corrupt: truncated or not a safetensors file (size {size} bytes). "
+                                     + REDOWNLOAD)
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 512 * 1024 * 1024:
-            raise MtpCheckpointError(f"Shard {path} is corrupt: its header claims {n} bytes but the file has {size}.")
+            raise MtpCheckpointError(f"File {path} is corrupt: its header claims {n} bytes but the file has {size}. "
+                                     + REDOWNLOAD)
         try:
             meta = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MtpCheckpointError(f"Shard {path} is corrupt: unreadable safetensors header ({e}).") from None
+            raise MtpCheckpointError(f"File {path} is corrupt: unreadable safetensors header ({e}). {REDOWNLOAD}") from None
+    if not isinstance(meta, dict):
+        raise MtpCheckpointError(f"File {path} is corrupt: its safetensors header is not an object. {REDOWNLOAD}")
     data_size = size - 8 - n
     out = {}
     for name, info in meta.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise MtpCheckpointError(f"Tensor {name!r} in file {path} is corrupt: header entry {info!r}. "
+                                     + REDOWNLOAD) from None
         torch_dtype = F.SAFETENSORS_DTYPES.get(dtype)
         numel = 1
         for d in shape:
@@ -178,8 +240,8 @@ def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple]]:
         item = torch.empty((), dtype=torch_dtype).element_size() if torch_dtype is not None else None
         if end > data_size or start > end or (item is not None and end - start != numel * item):
             raise MtpCheckpointError(
-                f"Tensor {name!r} in shard {path} is corrupt: {dtype} {list(shape)} needs "
-                f"{numel * (item or 0)} bytes, the header gives bytes [{start}, {end}) of {data_size}."
+                f"Tensor {name!r} in file {path} is corrupt (truncated?): {dtype} {list(shape)} needs "
+                f"{numel * (item or 0)} bytes, the header gives bytes [{start}, {end}) of {data_size}. {REDOWNLOAD}"
             )
         out[name] = (dtype, shape)
     return out
@@ -195,6 +257,7 @@ class Unit:
     sources: dict = field(default_factory=dict)  # role -> native tensor name
     layout: str = ""  # linear: "float" | "fp8_block" | "fp8_tensor" | "nvfp4"; expert: ExpertLayout.name
     expert: int = -1
+    module: str = EXPERTS  # expert: our FP4Experts module it fills
 
 
 def _linear_unit(prefix: str, target: str, header: dict, missing: list) -> Unit | None:
@@ -218,66 +281,99 @@ def _linear_unit(prefix: str, target: str, header: dict, missing: list) -> Unit 
     return Unit("linear", target, {"weight": w}, "float")
 
 
-def build_plan(model, header: dict, mtp_keys: list[str], expert_format_override: str | None):
-    """-> (units, expert layout, FP4 format, unused keys); raises on missing tensors."""
-    config = model.config
-    missing: list[str] = []
-    units: list[Unit] = []
-    for suffix, target in PLAIN_TENSORS.items():
-        name = MTP_PREFIX + suffix
+def table_units(header: dict, src: str, dst: str, plain: dict, linear: dict, missing: list,
+                skip=lambda suffix: False) -> list[Unit]:
+    """Units for the tensors of one table pair: ``plain`` / ``linear`` native suffixes under the native
+    prefix ``src`` into our names under ``dst``.  Absent tensors go to ``missing``."""
+    units = []
+    for suffix, target in plain.items():
+        name = src + suffix
         if name in header:
-            units.append(Unit("plain", target, {"value": name}))
+            units.append(Unit("plain", dst + target, {"value": name}))
         else:
             missing.append(name)
-    for suffix, target in LINEAR_MODULES.items():
-        if "shared_experts" in suffix and not config.n_shared_experts:
-            continue
-        unit = _linear_unit(MTP_PREFIX + suffix, target + ".weight", header, missing)
-        if unit is not None:
-            units.append(unit)
+    for suffix, target in linear.items():
+        if not skip(suffix):
+            unit = _linear_unit(src + suffix, dst + target + ".weight", header, missing)
+            if unit is not None:
+                units.append(unit)
+    return units
 
-    # Routed experts: the layout is read from names and dtypes of the first expert present.
-    present = sorted(
-        {int(m.group(1)) for k in mtp_keys if (m := re.match(rf"^{re.escape(MTP_PREFIX)}ffn\.experts\.(\d+)\.", k))}
-    )
+
+def present_experts(keys, src: str) -> list[int]:
+    """Indices of the routed experts stored under the block prefix ``src``."""
+    pattern = re.compile(rf"^{re.escape(src + BLOCK_EXPERTS[0])}\.(\d+)\.")
+    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
+
+
+def detect_block_experts(header: dict, keys, src: str, expert_format_override: str | None):
+    """-> (expert layout, FP4 format) of the routed experts under the block prefix ``src``, read from the
+    names and dtypes of the first expert present."""
     layout = None
-    for e in present:
-        layout = F.detect_expert_layout(f"{MTP_PREFIX}ffn.experts.{e}.w1", header) or F.detect_expert_layout(
-            f"{MTP_PREFIX}ffn.experts.{e}.w2", header
-        )
+    for e in present_experts(keys, src):
+        pre = f"{src}{BLOCK_EXPERTS[0]}.{e}"
+        layout = F.detect_expert_layout(f"{pre}.w1", header) or F.detect_expert_layout(f"{pre}.w2", header)
         if layout is not None:
             break
     if layout is None:
-        layout = F.MXFP4_NATIVE  # nothing there: everything below is reported missing
-    if layout.format is not None:
-        if expert_format_override not in (None, layout.format):
-            raise MtpCheckpointError(
-                f"This release stores the routed experts as {layout.name}; `expert_format="
-                f"{expert_format_override!r}` would need a lossy re-quantisation. Leave `expert_format` unset."
-            )
-        fmt = layout.format
-    else:
-        fmt = expert_format_override or "mxfp4"
+        layout = F.MXFP4_NATIVE  # nothing there: every expert tensor is reported missing
+    if layout.format is None:
+        return layout, expert_format_override or "mxfp4"
+    if expert_format_override not in (None, layout.format):
+        raise MtpCheckpointError(
+            f"This release stores the routed experts as {layout.name}; `expert_format="
+            f"{expert_format_override!r}` would need a lossy re-quantisation. Leave `expert_format` unset."
+        )
+    return layout, layout.format
+
+
+def block_units(header: dict, src: str, dst: str, config, layout: F.ExpertLayout, missing: list) -> list[Unit]:
+    """Units for one V4 block stored under the native prefix ``src`` (``mtp.0.``) into our module ``dst``
+    (``block.``): norms, mHC, attention, router, shared and routed experts (``config``: their counts)."""
+    no_shared = not config.n_shared_experts
+    units = table_units(header, src, dst, BLOCK_PLAIN, BLOCK_LINEAR, missing,
+                        skip=lambda suffix: no_shared and "shared_experts" in suffix)
+    module = dst + BLOCK_EXPERTS[1]
     for e in range(config.n_routed_experts):
         for m in EXPERT_MATRICES:
-            srcs = layout.keys(f"{MTP_PREFIX}ffn.experts.{e}.{m}")
+            srcs = layout.keys(f"{src}{BLOCK_EXPERTS[0]}.{e}.{m}")
             absent = [k for k in srcs.values() if k not in header]
             if absent:
                 missing.extend(absent)
             else:
-                units.append(Unit("expert", m, srcs, layout.name, e))
+                units.append(Unit("expert", m, srcs, layout.name, e, module))
+    return units
 
+
+def unused_keys(keys, units: list[Unit], blocks: list[tuple[str, F.ExpertLayout]]) -> list[str]:
+    """Stored keys no unit reads, except activation scales, a layout's ignored parts and duplicates of the
+    target's embedding / head (``blocks``: (native block prefix, its expert layout))."""
+    used = {k for u in units for k in u.sources.values()}
+    ignored = {f"{src}{BLOCK_EXPERTS[0]}.{e}.{m}.{s}" for src, layout in blocks for e in present_experts(keys, src)
+               for m in EXPERT_MATRICES for s in layout.ignored}
+    ignored |= {k for k in keys if k.endswith((".input_scale", ".input_global_scale"))}
+    return [k for k in keys if k not in used and k not in ignored and not SHARED_DUPLICATES.match(k)]
+
+
+def raise_missing(missing: list[str], layout: F.ExpertLayout) -> None:
     if missing:
         shown = ", ".join(missing[:12]) + (", ..." if len(missing) > 12 else "")
         raise MtpCheckpointError(
             f"The MTP layer in this checkpoint is incomplete: {len(missing)} required tensor(s) are missing "
             f"(expert layout detected: {layout.name}): {shown}. {RELEASES_HINT}"
         )
-    used = {k for u in units for k in u.sources.values()}
-    ignored = {MTP_PREFIX + f"ffn.experts.{e}.{m}.{s}" for e in present for m in EXPERT_MATRICES for s in layout.ignored}
-    ignored |= {k for k in mtp_keys if k.endswith((".input_scale", ".input_global_scale"))}
-    unused = [k for k in mtp_keys if k not in used and k not in ignored and not SHARED_DUPLICATES.match(k)]
-    return units, layout, fmt, unused
+
+
+def build_plan(model, header: dict, mtp_keys: list[str], expert_format_override: str | None,
+               src: str = MTP_PREFIX, dst: str = ""):
+    """The MTP layer stored under ``src`` into ``model`` (names under ``dst``) -> (units, expert layout, FP4
+    format, unused keys); raises on missing tensors."""
+    layout, fmt = detect_block_experts(header, mtp_keys, src, expert_format_override)
+    missing: list[str] = []
+    units = table_units(header, src, dst, MTP_PLAIN, MTP_LINEAR, missing)
+    units += block_units(header, src, dst + MTP_BLOCK, model.config, layout, missing)
+    raise_missing(missing, layout)
+    return units, layout, fmt, unused_keys(mtp_keys, units, [(src, layout)])
 
 
 def _expect(name, header, accepted, shape, what):
@@ -441,78 +537,99 @@ def _decode_linear(u: Unit, read, device, dtype) -> torch.Tensor:
     return fp4.dequantize_fp4(read(u.sources["packed"]).to(device), raw.to(device), "nvfp4", g.to(device), dtype)
 
 
-def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
-    """Build ``cls`` (``DeepseekV4MtpForCausalLM``) from an original DeepSeek-V4 release."""
-    from safetensors import safe_open
-    from transformers import DeepseekV4Config
+@dataclass
+class NativeSource:
+    """What a release holds for the tensors under ``prefix``: read from its config, index and headers only."""
 
-    from .. import fp4
+    path_or_repo: object
+    config_dict: dict
+    keys: list[str]  # the stored tensors under ``prefix``
+    header: dict  # name -> (dtype string, shape)
+    shard_of: dict  # name -> shard file
+    shard_paths: dict  # shard file -> local path
+
+
+@dataclass
+class LoadOptions:
+    dtype: object
+    device_map: object
+    config: object  # a passed DeepseekV4Config, or None
+    overrides: dict  # DeepseekV4MtpConfig fields
+    hub: dict
+
+
+def load_options(kwargs: dict) -> LoadOptions:
+    """``from_pretrained``'s keywords for a native load; unknown ones raise."""
     from ..configuration import DeepseekV4MtpConfig
 
     hub = hub_kwargs(kwargs)
     dtype = kwargs.pop("dtype", None)
     torch_dtype = kwargs.pop("torch_dtype", None)
-    dtype = dtype if dtype is not None else torch_dtype
     device_map = kwargs.pop("device_map", None)
     for k in HUB_KWARGS + IGNORED_KWARGS:
         kwargs.pop(k, None)
-    passed_config = kwargs.pop("config", None)
+    config = kwargs.pop("config", None)
     fields = set(DeepseekV4MtpConfig.__annotations__)
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
     if kwargs:
         raise TypeError(f"Unexpected keyword argument(s) for loading a native DeepSeek-V4 MTP: {sorted(kwargs)}.")
+    return LoadOptions(dtype if dtype is not None else torch_dtype, device_map, config, overrides, hub)
 
-    # 1. config + index (the only files besides the MTP shards that are fetched).
+
+def read_native_source(path_or_repo, hub: dict, prefix: str = MTP_PREFIX) -> NativeSource:
+    """Config, index and the headers of the shards holding ``prefix`` (the only files fetched)."""
     config_dict = read_config_dict(path_or_repo, hub) or {}
     weight_map, single = read_weight_map(path_or_repo, hub)
-    mtp_keys = sorted(k for k in weight_map if k.startswith("mtp."))
-    if not mtp_keys:
+    keys = sorted(k for k in weight_map if k.startswith("mtp."))
+    if not keys:
         nextn = config_dict.get("num_nextn_predict_layers")
         raise MtpCheckpointError(
             f"{path_or_repo} has no MTP layer: its weight index lists {len(weight_map)} tensors but none under "
-            f"`mtp.*` (expected `mtp.0.*`; config.json num_nextn_predict_layers={nextn!r}). {RELEASES_HINT}"
+            f"`mtp.*` (expected `{prefix}*`; config.json num_nextn_predict_layers={nextn!r}). {RELEASES_HINT}"
         )
-    extra_layers = sorted({k.split(".")[1] for k in mtp_keys} - {"0"})
-    if extra_layers:
-        logger.warning(f"Ignoring MTP layer(s) mtp.{extra_layers} in {path_or_repo}: only mtp.0 is used.")
-        mtp_keys = [k for k in mtp_keys if k.startswith(MTP_PREFIX)]
-
-    target_config = passed_config if passed_config is not None else DeepseekV4Config.from_pretrained(path_or_repo, **hub)
-    dtype = resolve_dtype(dtype, config_dict)
-
-    # 2. only the shards holding mtp.* tensors.
-    shard_names = sorted({weight_map[k] for k in mtp_keys})
-    shard_paths = {s: (single if single is not None else resolve_file(path_or_repo, s, hub)) for s in shard_names}
+    others = sorted({k.split(".")[1] for k in keys if not k.startswith(prefix)})
+    if others:
+        logger.warning(f"Ignoring MTP layer(s) mtp.{others} in {path_or_repo}: only {prefix.rstrip('.')} is used.")
+        keys = [k for k in keys if k.startswith(prefix)]
+    shard_of = {k: weight_map[k] for k in keys}
+    shard_paths = {s: (single if single is not None else resolve_file(path_or_repo, s, hub))
+                   for s in sorted(set(shard_of.values()))}
     header: dict = {}
     for s, p in shard_paths.items():
         h = read_safetensors_header(p)
-        for k in mtp_keys:
-            if weight_map[k] == s:
+        for k in keys:
+            if shard_of[k] == s:
                 if k not in h:
                     raise MtpCheckpointError(f"The index places tensor {k!r} in shard {s}, but that shard does not hold it.")
                 header[k] = h[k]
-    shard_of = {k: weight_map[k] for k in mtp_keys}
+    return NativeSource(path_or_repo, config_dict, keys, header, shard_of, shard_paths)
 
-    # 3. config (expert format from tensor names/dtypes) + meta model + plan checks.
+
+def plan_native_model(cls, source: NativeSource, target_config, overrides: dict, dtype: torch.dtype):
+    """Plan and check the load before any data is read -> (meta model, units, expert layout, format, shapes)."""
+    from ..configuration import DeepseekV4MtpConfig
+
     probe = DeepseekV4MtpConfig.from_target_config(target_config, **overrides)
     with torch.device("meta"):
-        probe_model = cls._from_config(probe, dtype=dtype)
-    units, layout, fmt, unused = build_plan(probe_model, header, mtp_keys, overrides.get("expert_format"))
-    config = DeepseekV4MtpConfig.from_target_config(target_config, **{**overrides, "expert_format": fmt})
-    if fmt != probe.expert_format:
+        model = cls._from_config(probe, dtype=dtype)
+    units, layout, fmt, unused = build_plan(model, source.header, source.keys, overrides.get("expert_format"))
+    if fmt != probe.expert_format:  # the format the release stores decides the model's
+        config = DeepseekV4MtpConfig.from_target_config(target_config, **{**overrides, "expert_format": fmt})
         with torch.device("meta"):
             model = cls._from_config(config, dtype=dtype)
-    else:
-        model, config = probe_model, probe
     shapes = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
-    validate_plan(units, header, shapes, layout, fmt, config)
+    validate_plan(units, source.header, shapes, layout, fmt, model.config)
     if unused:
         logger.warning(
-            f"{len(unused)} mtp tensor(s) in {path_or_repo} are not used by the MTP model: "
+            f"{len(unused)} mtp tensor(s) in {source.path_or_repo} are not used by the MTP model: "
             + ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else "")
         )
+    return model, units, layout, fmt, shapes
 
-    # Final dtypes: `dtype`, except the fp32-kept modules (as transformers' loader does).
+
+def final_dtypes(model, dtype: torch.dtype):
+    """-> function(name) -> the dtype a tensor is loaded in: ``dtype`` (what the meta model holds), except the
+    fp32-kept modules, as transformers' loader does."""
     keep = sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     keep_re = re.compile("|".join(re.escape(k) for k in keep)) if keep and dtype in (torch.float16, torch.bfloat16) else None
     metas = dict(list(model.named_parameters()) + list(model.named_buffers()))
@@ -523,60 +640,97 @@ def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
             return t.dtype
         return torch.float32 if keep_re is not None and keep_re.search(name) else t.dtype
 
-    device_of = device_resolver(device_map, target_model)
+    return final_dtype
 
-    # Packed expert buffers, allocated once on their device and filled slot by slot.
-    ex = model.get_submodule(EXPERTS)
-    e_n, i_n, d_n, group = ex.num_experts, ex.intermediate_size, ex.hidden_size, fp4.get_format(fmt).group_size
-    packed = {
-        "w13_weight": (e_n, 2 * i_n, d_n // 2), "w13_scale": (e_n, 2 * i_n, d_n // group),
-        "w2_weight": (e_n, d_n, i_n // 2), "w2_scale": (e_n, d_n, i_n // group),
-    }
-    bufs = {k: torch.empty(s, dtype=torch.uint8, device=device_of(f"{EXPERTS}.{k}")) for k, s in packed.items()}
-    g13 = torch.ones(e_n, 2, dtype=torch.float32)
-    g2 = torch.ones(e_n, dtype=torch.float32)
 
-    # 4. read, decode, place; shard by shard.
-    units.sort(key=lambda u: (shard_of[next(iter(u.sources.values()))], u.kind))
-    total = sum(len(u.sources) for u in units)
-    with ExitStack() as stack:
-        handles = {}
+@dataclass
+class ExpertBuffers:
+    """An FP4Experts module's packed buffers, allocated on their device and filled slot by slot."""
 
-        def read(name: str) -> torch.Tensor:
-            s = shard_of[name]
-            if s not in handles:
-                try:
-                    handles[s] = stack.enter_context(safe_open(shard_paths[s], framework="pt", device="cpu"))
-                except Exception as e:  # noqa: BLE001
-                    raise MtpCheckpointError(f"Cannot open shard {shard_paths[s]}: {e}") from e
+    module: str
+    bufs: dict
+    g13: torch.Tensor
+    g2: torch.Tensor
+    inter: int
+
+    @classmethod
+    def allocate(cls, model, module: str, fmt: str, device_of) -> ExpertBuffers:
+        from .. import fp4
+
+        ex = model.get_submodule(module)
+        e_n, i_n, d_n, group = ex.num_experts, ex.intermediate_size, ex.hidden_size, fp4.get_format(fmt).group_size
+        packed = {
+            "w13_weight": (e_n, 2 * i_n, d_n // 2), "w13_scale": (e_n, 2 * i_n, d_n // group),
+            "w2_weight": (e_n, d_n, i_n // 2), "w2_scale": (e_n, d_n, i_n // group),
+        }
+        bufs = {k: torch.empty(s, dtype=torch.uint8, device=device_of(f"{module}.{k}")) for k, s in packed.items()}
+        return cls(module, bufs, torch.ones(e_n, 2, dtype=torch.float32), torch.ones(e_n, dtype=torch.float32), i_n)
+
+    def install(self, model, device_of) -> None:
+        for k, b in self.bufs.items():
+            _set_tensor(model, f"{self.module}.{k}", b)
+        for k, g in (("w13_global_bits", self.g13), ("w2_global_bits", self.g2)):
+            _set_tensor(model, f"{self.module}.{k}", g.view(torch.int32).to(device_of(f"{self.module}.{k}")))
+
+
+def shard_reader(stack: ExitStack, source: NativeSource):
+    """-> read(name) -> the stored tensor (on the CPU), opening each shard once inside ``stack``."""
+    from safetensors import safe_open
+
+    handles = {}
+
+    def read(name: str) -> torch.Tensor:
+        s = source.shard_of[name]
+        if s not in handles:
             try:
-                return handles[s].get_tensor(name)
+                handles[s] = stack.enter_context(safe_open(source.shard_paths[s], framework="pt", device="cpu"))
             except Exception as e:  # noqa: BLE001
-                raise MtpCheckpointError(f"Cannot read tensor {name!r} from shard {s}: {e}") from e
-
-        bar = hf_logging.tqdm(total=total, desc="Loading DeepSeek-V4 MTP", unit="tensor")
+                raise MtpCheckpointError(f"Cannot open shard {source.shard_paths[s]}: {e}") from e
         try:
-            for u in units:
-                if u.kind == "plain":
-                    name = u.sources["value"]
-                    t = read(name)
-                    _check_finite(name, t)
-                    t = t.to(device=device_of(u.target), dtype=final_dtype(u.target)).reshape(shapes[u.target])
-                    _set_tensor(model, u.target, t.contiguous())
-                elif u.kind == "linear":
-                    t = _decode_linear(u, read, device_of(u.target), final_dtype(u.target))
-                    _set_tensor(model, u.target, t)
-                else:
-                    _fill_expert(u, read, layout, fmt, bufs, g13, g2, i_n)
-                bar.update(len(u.sources))
-        finally:
-            bar.close()
+            return handles[s].get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise MtpCheckpointError(f"Cannot read tensor {name!r} from shard {s}: {e}") from e
 
-    for k, b in bufs.items():
-        _set_tensor(model, f"{EXPERTS}.{k}", b)
-    _set_tensor(model, f"{EXPERTS}.w13_global_bits", g13.view(torch.int32).to(device_of(f"{EXPERTS}.w13_global_bits")))
-    _set_tensor(model, f"{EXPERTS}.w2_global_bits", g2.view(torch.int32).to(device_of(f"{EXPERTS}.w2_global_bits")))
+    return read
 
+
+def fill_units(model, units: list[Unit], read, layout: F.ExpertLayout, fmt: str, shapes: dict, final_dtype,
+               device_of, experts: dict[str, ExpertBuffers], desc: str = "Loading DeepSeek-V4 MTP") -> None:
+    """Read, decode and place every unit's tensors (shard by shard, one tensor at a time); routed experts go
+    into ``experts[u.module]``."""
+    bar = hf_logging.tqdm(total=sum(len(u.sources) for u in units), desc=desc, unit="tensor")
+    try:
+        for u in units:
+            if u.kind == "plain":
+                name = u.sources["value"]
+                t = read(name)
+                _check_finite(name, t)
+                t = t.to(device=device_of(u.target), dtype=final_dtype(u.target)).reshape(shapes[u.target])
+                _set_tensor(model, u.target, t.contiguous())
+            elif u.kind == "linear":
+                _set_tensor(model, u.target, _decode_linear(u, read, device_of(u.target), final_dtype(u.target)))
+            else:
+                b = experts[u.module]
+                _fill_expert(u, read, layout, fmt, b.bufs, b.g13, b.g2, b.inter)
+            bar.update(len(u.sources))
+    finally:
+        bar.close()
+
+
+def fill_native_model(model, source: NativeSource, units: list[Unit], layout: F.ExpertLayout, fmt: str,
+                      shapes: dict, dtype: torch.dtype, device_of) -> None:
+    """Allocate the packed expert buffers, then fill the meta ``model`` from the release."""
+    experts = {m: ExpertBuffers.allocate(model, m, fmt, device_of) for m in sorted({u.module for u in units
+                                                                                   if u.kind == "expert"})}
+    units = sorted(units, key=lambda u: (source.shard_of[next(iter(u.sources.values()))], u.kind))
+    with ExitStack() as stack:
+        fill_units(model, units, shard_reader(stack, source), layout, fmt, shapes, final_dtypes(model, dtype),
+                   device_of, experts)
+    for b in experts.values():
+        b.install(model, device_of)
+
+
+def finalize_native_model(model, path_or_repo, dtype: torch.dtype, target_model=None):
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"Internal error: these MTP tensors were not loaded: {left}")
@@ -587,6 +741,19 @@ def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
     if target_model is not None:
         model.bind(target_model)
     return model
+
+
+def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
+    """Build ``cls`` (``DeepseekV4MtpForCausalLM``) from an original DeepSeek-V4 release."""
+    from transformers import DeepseekV4Config
+
+    opts = load_options(kwargs)
+    source = read_native_source(path_or_repo, opts.hub)  # 1. config, index, headers of the MTP shards
+    target_config = opts.config if opts.config is not None else DeepseekV4Config.from_pretrained(path_or_repo, **opts.hub)
+    dtype = resolve_dtype(opts.dtype, source.config_dict)
+    model, units, layout, fmt, shapes = plan_native_model(cls, source, target_config, opts.overrides, dtype)  # 2.
+    fill_native_model(model, source, units, layout, fmt, shapes, dtype, device_resolver(opts.device_map, target_model))
+    return finalize_native_model(model, path_or_repo, dtype, target_model)
 
 
 @torch.no_grad()
