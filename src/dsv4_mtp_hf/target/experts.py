@@ -24,6 +24,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from .. import fp4, patching
 from ..layers.moe import FP4Experts
+from .dtypes import norms_to_compute_dtype
 
 EXPERTS_IMPLEMENTATION = "dsv4_fp4"
 QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
@@ -89,7 +90,8 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
     experts are read as they are stored (native MXFP4, or NVFP4), bit for bit.  Without it the model's
     own expert weights are quantised to ``expert_format`` (default ``"mxfp4"``: exact for a model whose
     experts transformers dequantised from the MXFP4 release).  Each layer's bf16 expert tensors are freed
-    once its packed copy is in place.  Returns ``model``.
+    once its packed copy is in place.  Norm weights a bf16 model's loader kept in fp32 are cast where the
+    installed transformers needs it (:func:`~.dtypes.norms_to_compute_dtype`).  Returns ``model``.
     """
     layers = _experts_modules(model)
     c = model.config
@@ -122,6 +124,7 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     patching.install(model, "save_pretrained", functools.partial(save_packed, model))  # transformers' save drops them
+    norms_to_compute_dtype(model)  # a bf16 model loaded by transformers 5.17 keeps fp32 norms its forward can't run
     return model
 
 
@@ -285,6 +288,7 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
                                  "and the CPU only.")
             reader.fill(i, experts.fp4)
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # whatever default loading picked
+        norms_to_compute_dtype(model)  # transformers 5.17: its loader's fp32 norms would break a bf16 forward
         return model
 
     def save_pretrained(self, save_directory, **kwargs):
