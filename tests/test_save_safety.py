@@ -85,6 +85,7 @@ def test_the_draft_saves_over_its_own_earlier_saves_and_beside_unrelated_files(t
     d.mkdir()
     (d / "README.md").write_text("notes")
     (d / "tokenizer.json").write_text("{}")
+    torch.save({"lr": 1e-4}, d / "training_args.bin")  # a Trainer's output folder: not weights
     for shard in ("30KB", None, "30KB", "60KB"):  # sharded, whole, sharded again (other shard counts)
         ref.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
         back = DeepseekV4MtpForCausalLM.from_pretrained(d, target_model=target)

@@ -11,14 +11,18 @@ never write) raises :class:`SaveDirectoryError` naming what is there.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import struct
 from collections.abc import Callable
 
 CONFIG_FILE = "config.json"
-# Files that hold or list a model's weights (transformers, PyTorch, GGUF, TF/Flax checkpoints).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+# Model weights in formats we never write (transformers' PyTorch/TF/Flax names, GGUF, Meta's consolidated files);
+# every safetensors file and weight index is read and checked.  A Trainer's training_args.bin / optimizer.pt are
+# not weights and stay allowed.
+OTHER_WEIGHTS = ("pytorch_model*.bin", "tf_model*.h5", "flax_model*.msgpack", "*.gguf", "consolidated*.pth",
+                 "consolidated*.pt")
 INDEX_SUFFIX = ".index.json"
 _HEADER_LIMIT = 512 * 1024 * 1024
 
@@ -41,19 +45,6 @@ def safetensors_names(path: str) -> list[str] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return [k for k in meta if k != "__metadata__"] if isinstance(meta, dict) else None
-
-
-def safetensors_metadata(path: str) -> dict:
-    """The ``__metadata__`` of a safetensors file ({} when absent or unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(os.path.getsize(path) - 8, _HEADER_LIMIT):
-                return {}
-            meta = json.loads(f.read(n)).get("__metadata__")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, struct.error, AttributeError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def _read_json(path: str):
@@ -82,7 +73,7 @@ def foreign_contents(save_directory, model_type: str, owns: Callable[[str], bool
         cfg = _read_json(os.path.join(save_directory, CONFIG_FILE))
         other = cfg.get("model_type") if isinstance(cfg, dict) else None
         if not isinstance(cfg, dict):
-            found.append(f"a config.json that is not valid JSON (another model's, or damaged)")
+            found.append("a config.json that is not valid JSON (another model's, or damaged)")
         elif other != model_type:
             found.append(f"the config.json of a {other!r} model" if other else "a config.json without a model_type")
     for name in entries:
@@ -97,12 +88,13 @@ def foreign_contents(save_directory, model_type: str, owns: Callable[[str], bool
             elif bad := [k for k in keys if not owns(k)]:
                 found.append(f"the weight index {name}, listing tensors this model does not write ({_shown(bad)})")
             elif owns_file is not None and not owns_file(name):
-                found.append(f"the weight index {name}, written by another program")
-        elif name.endswith(WEIGHT_SUFFIXES):
-            keys = safetensors_names(path) if name.endswith(".safetensors") else None
+                found.append(f"the weight index {name}, not written by an earlier save of this model")
+        elif any(fnmatch.fnmatch(name, p) for p in OTHER_WEIGHTS):
+            found.append(f"the weight file {name} (a format this model never writes)")
+        elif name.endswith(".safetensors"):
+            keys = safetensors_names(path)
             if keys is None:
-                found.append(f"the weight file {name}" + ("" if name.endswith(".safetensors") else
-                                                          " (a format this model never writes)"))
+                found.append(f"the weight file {name}, which is not a readable safetensors file")
             elif bad := [k for k in keys if not owns(k)]:
                 found.append(f"the weight file {name}, holding tensors this model does not write ({_shown(bad)})")
             elif owns_file is not None and not owns_file(name):
