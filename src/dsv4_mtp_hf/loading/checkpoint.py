@@ -129,19 +129,23 @@ def check_saved_files(path_or_repo, kwargs: dict) -> None:
             read_safetensors_header(path)
 
 
+def _listed(names: list[str], n: int = 12) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
 def check_loading_info(path_or_repo, info: dict) -> None:
     """Raise if transformers' loader left a tensor uninitialised, skipped one, or re-initialised a
     mis-shaped one (``output_loading_info`` report)."""
     problems = []
     if info.get("missing_keys"):
-        problems.append(f"missing tensor(s) (the model needs them): {', '.join(sorted(info['missing_keys']))}")
+        problems.append(f"missing tensor(s) (the model needs them): {_listed(sorted(info['missing_keys']))}")
     if info.get("unexpected_keys"):
         problems.append(f"unexpected tensor(s) (the model has no such parameter): "
-                        f"{', '.join(sorted(info['unexpected_keys']))}")
+                        f"{_listed(sorted(info['unexpected_keys']))}")
     if info.get("mismatched_keys"):
-        shown = ", ".join(f"{name} {list(stored)} (the model needs {list(wanted)})"
-                          for name, stored, wanted in sorted(info["mismatched_keys"], key=lambda m: m[0]))
-        problems.append(f"tensor(s) of the wrong shape: {shown}")
+        shown = [f"{name} {list(stored)} (the model needs {list(wanted)})"
+                 for name, stored, wanted in sorted(info["mismatched_keys"], key=lambda m: m[0])]
+        problems.append(f"tensor(s) of the wrong shape: {_listed(shown)}")
     if info.get("error_msgs"):
         problems.append("; ".join(str(m) for m in info["error_msgs"]))
     if problems:
