@@ -19,6 +19,8 @@ from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
 from .helpers import tiny_pair
 from .test_loading import make_release
 
+# transformers' loader is what these guard: run on 5.17 too
+pytestmark = pytest.mark.tf_internals
 V4_FIELDS = ("hidden_size", "hc_mult", "n_routed_experts", "moe_intermediate_size", "o_groups")
 
 
@@ -95,7 +97,6 @@ def damage(path: Path, edit) -> None:
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
-@pytest.mark.tf_internals
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "shape_ignored"])
 def test_a_saved_draft_that_does_not_match_names_the_tensors(tmp_path, saved_draft, case):
     _, _, src = saved_draft
@@ -115,7 +116,6 @@ def test_a_saved_draft_that_does_not_match_names_the_tensors(tmp_path, saved_dra
     assert "not randomly initialise" in str(err.value) or "save" in str(err.value)
 
 
-@pytest.mark.tf_internals
 def test_a_good_saved_draft_still_loads_and_reports_its_loading_info(saved_draft):
     target, ref, path = saved_draft
     model, info = DeepseekV4MtpForCausalLM.from_pretrained(path, target_model=target, output_loading_info=True)
@@ -127,7 +127,6 @@ def test_a_good_saved_draft_still_loads_and_reports_its_loading_info(saved_draft
 # -- (c) another model's checkpoint ----------------------------------------------------------------------------
 
 
-@pytest.mark.tf_internals
 def test_a_llama_checkpoint_says_it_is_not_a_v4_mtp(tmp_path):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2)
@@ -157,7 +156,6 @@ def test_a_truncated_index_or_config_names_the_file(tmp_path, release):
         DeepseekV4MtpForCausalLM.from_pretrained(path)
 
 
-@pytest.mark.tf_internals
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_a_truncated_saved_draft_names_the_file(tmp_path, saved_draft, sharded):
     _, ref, _ = saved_draft

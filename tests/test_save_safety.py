@@ -20,6 +20,8 @@ from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
 from .helpers import tiny_pair
 from .test_loading import make_release
 
+# transformers' save and load are what these guard: run on 5.17 too
+pytestmark = pytest.mark.tf_internals
 REFUSED = r"Refusing to save the .* an empty or new directory"
 
 
@@ -105,7 +107,6 @@ def packed_buffers(model) -> list[torch.Tensor]:
     return [b for layer in model.model.layers for b in layer.mlp.experts.fp4.buffers()]
 
 
-@pytest.mark.tf_internals
 @pytest.mark.parametrize("how", ["pack_fp4_experts", "DeepseekV4PackedExpertsForCausalLM"])
 def test_a_packed_target_refuses_a_release_a_draft_and_a_transformers_save(tmp_path, release, how):
     _, ref, path = release
@@ -125,7 +126,6 @@ def test_a_packed_target_refuses_a_release_a_draft_and_a_transformers_save(tmp_p
         assert snapshot(d) == before, d
 
 
-@pytest.mark.tf_internals
 def test_a_packed_target_saves_over_its_own_earlier_saves(tmp_path):
     target, _ = packed_target()
     d = tmp_path / "packed"

@@ -600,7 +600,9 @@ def read_native_source(path_or_repo, hub: dict, prefix: str = MTP_PREFIX) -> Nat
         for k in keys:
             if shard_of[k] == s:
                 if k not in h:
-                    raise MtpCheckpointError(f"The index places tensor {k!r} in shard {s}, but that shard does not hold it.")
+                    raise MtpCheckpointError(
+                        f"The index places tensor {k!r} in shard {s}, but that shard does not hold it: the index and "
+                        "the shards are from different versions. Download the release's index and shards again.")
                 header[k] = h[k]
     return NativeSource(path_or_repo, config_dict, keys, header, shard_of, shard_paths)
 
