@@ -161,16 +161,18 @@ def test_the_fuzz_catches_a_cache_whose_crop_leaves_a_stale_overlap(monkeypatch)
         margins.close()
 
 
-# The large runs: four weight draws each, seeds DRAW_SEED + 100 * i (+ the redraws draw_until_clear makes).
+# The large runs: four weight draws each, seeds DRAW_SEED + 100 * i (+ the redraws draw_until_clear makes).  Many
+# short sequences rather than a few long ones: the 8-head indexer's exact ties (every head's ReLU at 0) grow with
+# the number of compressed entries a query sees.
 @pytest.mark.slow
 @pytest.mark.parametrize("offset", [100, 200, 300, 400])
 def test_rollback_cache_fuzz_large(request, offset):
     only_when_selected(request)
-    draw_until_clear(lambda seed, margins: fuzz_rollback_cache(seed + offset, margins, sequences=6, rounds=400))
+    draw_until_clear(lambda seed, margins: fuzz_rollback_cache(seed + offset, margins, sequences=20, rounds=120))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offset", [100, 200, 300, 400])
 def test_batched_state_fuzz_large(request, offset):
     only_when_selected(request)
-    draw_until_clear(lambda seed, margins: fuzz_batched_state(seed + offset, margins, batch=6, rounds=300))
+    draw_until_clear(lambda seed, margins: fuzz_batched_state(seed + offset, margins, batch=8, rounds=120))
