@@ -57,22 +57,37 @@ class MtpKVCache:
         return full, positions
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` positions (negative: drop that many from the end)."""
-        new_len = self.seq_length + max_length if max_length < 0 else max_length
-        if new_len < 0 or new_len > self.seq_length:
-            raise ValueError(f"cannot crop an MTP cache of length {self.seq_length} to {max_length}.")
-        drop = self.seq_length - new_len
+        """transformers' convention: ``< 0`` removes ``-max_length`` positions, ``0`` nothing, ``> 0`` keeps the
+        first ``max_length`` (the legacy absolute form)."""
+        n = int(max_length)
+        self.truncate(self.seq_length + n if n <= 0 else min(n, self.seq_length))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (roll back the rest)."""
+        if not 0 <= length <= self.seq_length:
+            raise ValueError(f"cannot truncate an MTP cache of length {self.seq_length} to {length}.")
+        drop = self.seq_length - length
         if drop == 0:
             return
-        needed_from = max(0, new_len - (self.sliding_window - 1))
+        needed_from = max(0, length - (self.sliding_window - 1))
         if needed_from < self.first_position:
             raise ValueError(
-                f"cannot roll the MTP cache back {drop} positions (to length {new_len}): it holds positions "
+                f"cannot roll the MTP cache back {drop} positions (to length {length}): it holds positions "
                 f"{self.first_position}..{self.seq_length - 1} only, bounded by the window plus "
                 f"max_draft_tokens={self.max_draft_tokens}. Raise `config.max_draft_tokens`."
             )
         self.kv = self.kv[:, : self.kv.shape[1] - drop]
-        self.seq_length = new_len
+        self.seq_length = length
+
+    def snapshot(self) -> dict:
+        """The rows held and the length (copies): ``{"kv": [B, n, d] of positions length-n..length-1, "length"}``,
+        the same form as :meth:`PagedMtpKVCache.snapshot`, so either cache restores the other's."""
+        return {"kv": None if self.kv is None else self.kv.clone(), "length": self.seq_length}
+
+    def restore(self, state: dict) -> None:
+        kv = state["kv"]
+        self.kv = None if kv is None else kv[:, -self.capacity :].clone()
+        self.seq_length = state["length"]
 
     def reset(self) -> None:
         self.kv, self.seq_length = None, 0
@@ -219,21 +234,26 @@ class PagedMtpKVCache:
         self.seq_lengths.add_(s)  # in place: a captured CUDA graph replays this update
         return keys, positions
 
-    def crop(self, max_length, check: bool = True) -> None:
-        """Roll back: an int applies to every sequence (negative: drop that many), a tensor
-        ``[B]`` gives each sequence its new length.  O(1): only the lengths move.  ``check=False``
-        skips the bounds checks, which read the lengths on the host (two synchronisations), for a
-        caller whose own bookkeeping bounds the drop (the graphed round's K - 1 draft rows)."""
-        if isinstance(max_length, torch.Tensor) and max_length.dim() == 1:
-            new = max_length.to(self.seq_lengths)
+    def crop(self, max_length: int) -> None:
+        """transformers' convention, for every sequence: ``< 0`` removes ``-max_length`` positions, ``0`` nothing,
+        ``> 0`` keeps the first ``max_length``."""
+        m = int(max_length)
+        self.truncate(self.seq_lengths + m if m <= 0 else self.seq_lengths.clamp(max=m))
+
+    def truncate(self, lengths, check: bool = True) -> None:
+        """Roll back to ``lengths``: an int for every sequence, or a tensor ``[B]`` of per-sequence lengths.
+        O(1): only the lengths move.  ``check=False`` skips the bounds checks, which read the lengths on the
+        host (two synchronisations), for a caller whose own bookkeeping bounds the drop (a round's drafted
+        rows)."""
+        if isinstance(lengths, torch.Tensor) and lengths.dim() == 1:
+            new = lengths.to(self.seq_lengths)
         else:
-            m = int(max_length)
-            new = self.seq_lengths + m if m < 0 else torch.full_like(self.seq_lengths, m)
+            new = torch.full_like(self.seq_lengths, int(lengths))
         if not check:
             self.seq_lengths.copy_(new)
             return
         if bool(((new < 0) | (new > self.seq_lengths)).any()):
-            raise ValueError(f"cannot crop MTP sequences of lengths {self.seq_lengths.tolist()} to {new.tolist()}.")
+            raise ValueError(f"cannot truncate MTP sequences of lengths {self.seq_lengths.tolist()} to {new.tolist()}.")
         if bool((self.seq_lengths - new > self.capacity - (self.sliding_window - 1)).any()):
             raise ValueError(
                 f"cannot roll the paged MTP cache back from {self.seq_lengths.tolist()} to {new.tolist()}: the ring "
@@ -241,5 +261,79 @@ class PagedMtpKVCache:
             )
         self.seq_lengths.copy_(new)
 
+    def snapshot(self) -> dict:
+        """One sequence's rows in its ring and its length: ``{"kv": [1, n, d] of positions length-n..length-1,
+        "length"}`` (copies; the form :meth:`MtpKVCache.snapshot` has, so either cache restores the other's)."""
+        if self.batch_size != 1 or not self.active[0]:
+            raise ValueError("snapshots are of a paged cache holding one active sequence.")
+        length = int(self.seq_lengths[0])
+        positions = torch.arange(max(0, length - self.capacity), length, device=self.pool.device)[None]
+        page, row = self._rows(positions)
+        return {"kv": self.pool[page, row].clone() if length else None, "length": length}
+
+    def restore(self, state: dict) -> None:
+        """Write a snapshot's rows back into the ring, in place (captured graphs keep reading the same pool)."""
+        if self.batch_size != 1 or not self.active[0]:
+            raise ValueError("snapshots restore into a paged cache holding one active sequence.")
+        length, kv = state["length"], state["kv"]
+        if kv is not None:
+            kv = kv[:, -self.capacity :].to(self.pool)
+            positions = torch.arange(length - kv.shape[1], length, device=self.pool.device)[None]
+            page, row = self._rows(positions)
+            self.pool[page, row] = kv
+        self.seq_lengths.fill_(length)
+
     def reset(self) -> None:
         self.seq_lengths.zero_()
+
+
+class DSparkKVCache:
+    """The DSpark drafter's context caches (design §7b): one paged ring per draft layer holding the context
+    K/V of the last ``window`` committed positions, and room for a drafted block's rows, which are rolled back
+    before the next commit (only committed rows stay).  All layers advance together; the lengths are per
+    sequence, on the device."""
+
+    def __init__(self, config, batch_size: int = 1, device=None, dtype=torch.float32, page_size: int = 16):
+        self.window, self.block_size = config.sliding_window, config.dspark_block_size
+        # `sliding_window + 1`: a paged ring holds `sliding_window - 1` keys before the new rows; the block sees
+        # the whole context window (positions P - window .. P - 1).
+        self.layers = [PagedMtpKVCache(config.sliding_window + 1, config.head_dim, batch_size, config.dspark_block_size,
+                                       page_size=page_size, device=device, dtype=dtype)
+                       for _ in range(config.num_draft_layers)]
+
+    @classmethod
+    def from_config(cls, config, batch_size: int = 1, **kwargs) -> DSparkKVCache:
+        return cls(config, batch_size, **kwargs)
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        return self.layers[0].seq_lengths
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        """transformers' convention: ``< 0`` removes ``-max_length`` positions, ``0`` nothing, ``> 0`` keeps the
+        first ``max_length``."""
+        for layer in self.layers:
+            layer.crop(max_length)
+
+    def truncate(self, lengths, check: bool = True) -> None:
+        """Roll back to ``lengths`` (an int, or per-sequence ``[B]``): only the lengths move."""
+        for layer in self.layers:
+            layer.truncate(lengths, check)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def snapshot(self) -> dict:
+        return {"layers": [layer.snapshot() for layer in self.layers]}
+
+    def restore(self, state: dict) -> None:
+        for layer, s in zip(self.layers, state["layers"], strict=True):
+            layer.restore(s)

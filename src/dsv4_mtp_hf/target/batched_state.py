@@ -342,11 +342,11 @@ class BatchedTargetState:
         return [BatchedSequence(self, i) for i in range(self.batch_size)]
 
     # -- bookkeeping (host only) -----------------------------------------------------------------
-    def crop(self, slot: int, length: int) -> None:
+    def truncate(self, slot: int, length: int) -> None:
         """Roll sequence ``slot`` back to ``length`` tokens: nothing but its length changes."""
         self._check(slot)
         if not 0 <= length <= self.lengths[slot]:
-            raise CacheRollbackError(f"cannot crop sequence {slot} of {self.lengths[slot]} tokens to {length}.")
+            raise CacheRollbackError(f"cannot truncate sequence {slot} of {self.lengths[slot]} tokens to {length}.")
         lowest = self.high[slot] - self.max_rollback
         if length < lowest:
             raise CacheRollbackError(
@@ -512,7 +512,7 @@ class BatchedSequence:
         """``RollbackDeepseekV4Cache.crop`` conventions: ``> 0`` keep that many tokens, ``<= 0`` remove ``-n``."""
         cur = self.get_seq_length()
         n = int(max_length)
-        self.state.crop(self.slot, cur + n if n <= 0 else min(n, cur))
+        self.state.truncate(self.slot, cur + n if n <= 0 else min(n, cur))
 
     def free(self) -> None:
         self.state.free(self.slot)

@@ -23,7 +23,8 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
   kernels; our custom ops (mHC, FP4 MoE) stay opaque;
 * the head runs inside the step, so forward hooks on ``hc_head``, ``norm`` and ``lm_head`` do
   not fire there (as on the layers; hooks on the target itself do).  The residual the MTP
-  drafts from is handed over by :meth:`TargetGraphs.take_residual`;
+  drafts from is handed over by :meth:`TargetGraphs.take_features` (the outputs of the layers a drafter
+  reads, written by the graphs themselves: :meth:`TargetGraphs.tap`);
 * longer forwards (the prompt) replay power-of-two chunks of at most ``prompt_chunk`` rows,
   longest first, as graphs of the uncompiled step without the head (no compile per chunk size;
   the chunks of up to ``max_rows`` rows are the decode graphs).  Before the first forward of all
@@ -46,6 +47,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from .. import patching
 from ..compat import cache_kwarg, dynamo_recompile_limit
 from .batched_state import BatchedTargetState
+from .dtypes import norms_to_compute_dtype
 from .ragged import RaggedTargetForward
 
 __all__ = ["GraphedTargetCache", "TargetGraphs", "graph_target", "ungraph_target"]
@@ -58,6 +60,7 @@ class GraphedTargetCache(Cache):
 
     is_compileable = False  # transformers must not torch.compile around it: the graphs are ours
     is_croppable = True
+    draft_state = None  # the draft side's record of the assisted call that last extended it (opaque here)
 
     def __init__(self, graphs: "TargetGraphs", epoch: int):
         super().__init__(layers=[])
@@ -134,6 +137,7 @@ class _Graph:
         self.pe = None if pe_like is None else {k: tuple(torch.empty_like(t, device=device) for t in v)
                                                 for k, v in pe_like.items()}
         self.graph = self.out = self.pe_out = self.logits = None
+        self.taps: dict[int, torch.Tensor] = {}  # tapped layer -> its output (a static buffer once captured)
 
     def load(self, ids: torch.Tensor, length: int, prev: "_Graph | None") -> None:
         """This forward's inputs into the static buffers: the ids, the length (a fill: no host-to-device
@@ -200,14 +204,25 @@ class TargetGraphs:
         self._block, self._indices, self._head = compiled(_graph_block), compiled(_fixed_indices), compiled(_graph_head)
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
-        self._residual = None
+        self._features = None
+        self.tapped: list[int] = [len(target.model.layers) - 1]  # the layers whose outputs take_features hands out
         self._allocated = False  # the state's buffers exist (`_allocate`, before the first forward)
         self.prompt_chunk = 256  # the longest chunk a prompt replays as one graph (a power of two)
 
-    def take_residual(self) -> torch.Tensor | None:
-        """The streams ``[1, n, hc, D]`` the last forward fed its head (what the MTP drafts from), once."""
-        residual, self._residual = self._residual, None
-        return residual
+    def tap(self, layers: list[int]) -> None:
+        """Have the graphs write the outputs of decoder ``layers`` for :meth:`take_features` (a change of layers
+        drops the captured graphs: the next forward of each row count captures them again)."""
+        from .features import check_layers
+
+        layers = check_layers(self.target, layers)
+        if layers != self.tapped:
+            self.tapped = layers
+            self._graphs.clear()
+
+    def take_features(self) -> torch.Tensor | None:
+        """The tapped layers' outputs ``[1, n, F, hc, D]`` of the last forward (what drafters read), once."""
+        features, self._features = self._features, None
+        return features
 
     def check_length(self, tokens: int) -> None:
         """Before a generation: it may reach ``tokens`` tokens (prompt + new ones); the state holds ``max_length``."""
@@ -223,7 +238,7 @@ class TargetGraphs:
                              f"{max_rollback} asked: call graph_target(target, max_rollback={max_rollback}).")
         self._empty()
         self._epoch += 1
-        self._residual = None
+        self._features = None
         return GraphedTargetCache(self, self._epoch)
 
     # -- the forward -----------------------------------------------------------------------------
@@ -249,14 +264,13 @@ class TargetGraphs:
         ids = input_ids.to(self.device)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if n <= self.max_rows and past > 0:
-            residual, logits = self._fixed_step(ids, n)
+            _, logits, self._features = self._fixed_step(ids, n)
             logits = logits[:, keep].clone()  # the next replay overwrites the graph's output
         else:  # a prompt (or a long chunk): graph replays of power-of-two chunks
             if not self._allocated:
                 self._allocate(ids)
-            residual = self._chunked(ids, n).to(self.segments[-1].device)
+            residual, self._features = self._chunked(ids, n)
             logits = _graph_head(self.target.model, self.target.lm_head, residual[:, keep])
-        self._residual = residual
         return output_class(logits=logits, **{cache_name: cache})
 
     def _check_inputs(self, attention_mask, position_ids, past: int, n: int) -> None:
@@ -288,6 +302,8 @@ class TargetGraphs:
             pe, hidden = g.pe, g.hidden
         for idx in g.segment.layers:
             hidden = block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
+            if idx in self.tapped:
+                g.taps[idx] = hidden
         g.out, g.pe_out = hidden, pe
         if g.segment.head and decode:
             g.logits = self._head(model, self.target.lm_head, hidden)
@@ -308,18 +324,22 @@ class TargetGraphs:
     def _chunked(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """A forward of ``n`` rows as fixed steps of power-of-two rows, longest first (at most
         ``prompt_chunk``): any prompt replays at most ~log2(n) + n / prompt_chunk graphs, and the chunks of
-        up to ``max_rows`` rows are the decode steps' own.  -> the streams ``[1, n, hc, D]``."""
-        outs, a = [], 0
+        up to ``max_rows`` rows are the decode steps' own.  -> the streams ``[1, n, hc, D]`` (on the head's
+        device) and the tapped layers' outputs ``[1, n, F, hc, D]``."""
+        outs, features, a = [], [], 0
         while a < n:
             c = min(self.prompt_chunk, 1 << ((n - a).bit_length() - 1))
-            outs.append(self._fixed_step(ids[:, a : a + c], c)[0])
+            out, _, feats = self._fixed_step(ids[:, a : a + c], c)
+            outs.append(out.to(self.segments[-1].device, copy=True))  # a later chunk may replay the same graph
+            features.append(feats)
             a += c
-        return torch.cat(outs, dim=1)
+        return torch.cat(outs, dim=1), torch.cat(features, dim=1)
 
     def _fixed_step(self, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A forward of ``n`` rows (a decode step, or a prompt's chunk): graph replays, or (first time, or on
         CPU) the step itself.
-        -> (the streams fed to the head ``[1, n, hc, D]``, the logits ``[1, n, V]``: a graph's buffer)."""
+        -> (the streams fed to the head ``[1, n, hc, D]``, the logits ``[1, n, V]``: a graph's buffer, the tapped
+        layers' outputs ``[1, n, F, hc, D]``: a copy)."""
         plan, length = self.state.fixed_plan(n), self.sequence.get_seq_length()
         graphs = self._graphs.get(n) if self.use_graphs else None
         if graphs is not None:
@@ -329,7 +349,7 @@ class TargetGraphs:
                     g.load(ids, length, prev)
                     g.graph.replay()
                 prev = g
-            out, logits = prev.out.clone(), prev.logits  # the next replay overwrites them (the MTP reads `out` later)
+            out, logits = prev.out, prev.logits
         else:
             graphs = self._run(lambda: self._segments_eagerly(plan, ids, length, n), n, "running")  # and the warm-up
             out, logits = graphs[-1].out, graphs[-1].logits  # the eager run's: a capture computes nothing
@@ -337,7 +357,14 @@ class TargetGraphs:
                 self._capture(plan, graphs, n)
                 self._graphs[n] = graphs
         self.state.advance(0, n)
-        return out, logits
+        return out, logits, self._tapped_outputs(graphs)
+
+    def _tapped_outputs(self, graphs: list[_Graph]) -> torch.Tensor:
+        """The tapped layers' outputs of a step, stacked on the head's device (a copy: the next replay overwrites
+        the graphs' buffers, and drafters read them after the verify)."""
+        taps = {i: t for g in graphs for i, t in g.taps.items()}
+        device = self.segments[-1].device
+        return torch.stack([taps[i].to(device) for i in self.tapped], dim=2)
 
     def _segments_eagerly(self, plan, ids, length: int, n: int) -> list[_Graph]:
         """The forward itself, segment after segment, through the static inputs the graphs will read."""
@@ -393,6 +420,7 @@ def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile:
     """
     if graphed(target) is not None:
         raise ValueError("this target is already graphed; call ungraph_target(target) first to change max_length.")
+    norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
     graphs = TargetGraphs(target, max_length, max_rollback, compile)
     bound = type(target).forward.__get__(target)
     name = cache_kwarg(target)

@@ -29,6 +29,7 @@ import torch
 from ..compat import takes_cache_kwarg
 from ..ops.hyper_connection import hc_pre
 from .batched_state import BatchedSequence, BatchedTargetState
+from .dtypes import norms_to_compute_dtype
 from .rollback_cache import RollbackDeepseekV4Cache
 
 
@@ -58,6 +59,7 @@ class RaggedTargetForward:
             raise ValueError(f"target attention must be one of {_ATTENTION}, got {attention!r}.")
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}.")
+        norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
         self.target, self.model = target, target.model
         self.config = target.config
         self.attention, self.max_chunk = attention, int(max_chunk)
@@ -169,7 +171,7 @@ class RaggedTargetForward:
         return torch.cat([r for rs in per_chunk for r in rs])
 
     def _mhc(self, hc, streams: torch.Tensor):
-        """transformers' ``DeepseekV4HyperConnection(streams)`` -- the same math (SPEC §3: an RMS-scaled
+        """transformers' ``DeepseekV4HyperConnection(streams)`` -- the same math (design §2: an RMS-scaled
         mix GEMV, sigmoids, Sinkhorn, the collapse) -- through ``dsv4_mtp::hc_pre``: two kernels on CUDA
         where transformers' module launches ~120 (its Sinkhorn alone is 20 x 6).  -> (collapsed, post, comb)."""
         return hc_pre(streams, hc.fn, hc.base, hc.scale, hc.hc_sinkhorn_iters, hc.hc_eps, self.config.rms_norm_eps)

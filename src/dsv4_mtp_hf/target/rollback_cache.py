@@ -374,6 +374,10 @@ class RollbackDeepseekV4Cache(DynamicCache):
     is modified.
     """
 
+    # The draft side's record of the assisted call that last extended this cache (what a next call resumes from);
+    # opaque here.
+    draft_state = None
+
     def __init__(self, config, max_rollback: int = 32):
         text_config = config.get_text_config(decoder=True)
         layer_types = list(getattr(text_config, "layer_types", None) or [])
