@@ -42,14 +42,12 @@ BINDING_FIELDS = ("vocab_size", "hidden_size", "hc_mult", "rope_theta", "qk_rope
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer")
 
 
-class DeepseekV4MtpConfig(PreTrainedConfig):
-    r"""Configuration of [`DeepseekV4MtpForCausalLM`]: one DeepSeek-V4 MTP layer (SPEC §1-5).
+class DeepseekV4DraftConfig(PreTrainedConfig):
+    r"""What every DeepSeek-V4 drafter shares: its layers are sliding-window-only V4 decoder blocks (plain
+    RoPE, no compressor, no indexer) wrapped in mHC, with a score-routed FP4 MoE, and it shares the target's
+    embedding and lm head.  Build a drafter's config from its target's with ``from_target_config``.
 
-    The MTP layer is a sliding-window-only V4 decoder block (plain RoPE, no compressor)
-    fed by the target's pre-`hc_head` multi-stream residual, with a score-routed FP4 MoE.
-    Build it from a target config with [`~DeepseekV4MtpConfig.from_target_config`].
-
-    MTP-specific fields:
+    Drafter fields:
         qk_rope_head_dim (`int`): RoPE channels, the LAST ones of each 512-dim head.
         expert_format (`str`): packed FP4 format of the routed experts, `"mxfp4"` (native
             DeepSeek release, E8M0 scale per 32) or `"nvfp4"` (E4M3 scale per 16 + fp32 global).
@@ -58,14 +56,11 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
         kv_fp8_roundtrip (`bool`): reproduce DeepSeek's inference-time FP8 round trip of the
             non-RoPE KV channels (per 64 values, power-of-two scales). Off by default, as in
             transformers' V4 target.
-        attention_backend (`str`): the MTP attention's kernels (SPEC §8). `"auto"`: FlashInfer's
+        attention_backend (`str`): the MTP attention's kernels (design §8). `"auto"`: FlashInfer's
             MLA decode on CUDA for bf16/fp16 calls on the paged cache when FlashInfer imports, the
             reference otherwise (a `GraphedDrafter` keeps the reference, which torch.compile fuses);
             `"reference"`; `"flashinfer"`: FlashInfer or a clear error, never a silent fallback.
-        mtp_vocab_size (`int`, *optional*): draft only over the first N vocabulary rows.
     """
-
-    model_type = "deepseek_v4_mtp"
 
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -91,12 +86,10 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 1048576
     initializer_range: float = 0.02
-    num_nextn_predict_layers: int = 1
     expert_format: str = "mxfp4"
     max_draft_tokens: int = 16
     kv_fp8_roundtrip: bool = False
     attention_backend: str = "auto"
-    mtp_vocab_size: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     pad_token_id: int | None = None
@@ -106,10 +99,15 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate()
 
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Every field of this config class, its bases' included (what ``from_pretrained`` may override)."""
+        return {name for c in cls.__mro__ if issubclass(c, DeepseekV4DraftConfig) for name in c.__annotations__}
+
     # -- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         def fail(msg: str):
-            raise ValueError(f"Invalid DeepseekV4MtpConfig: {msg}")
+            raise ValueError(f"Invalid {type(self).__name__}: {msg}")
 
         for name in (
             "vocab_size", "hidden_size", "hc_mult", "num_attention_heads", "head_dim", "q_lora_rank",
@@ -146,25 +144,18 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
             fail(f"`scoring_func`={self.scoring_func!r}: DeepSeek-V4's MTP layer routes with 'sqrtsoftplus' only.")
         if self.n_shared_experts not in (0, 1):
             fail(f"`n_shared_experts`={self.n_shared_experts}: V4 has exactly one shared expert (or none).")
-        if self.num_nextn_predict_layers != 1:
-            fail(
-                f"`num_nextn_predict_layers`={self.num_nextn_predict_layers}: DeepSeek-V4 ships one MTP layer; "
-                "only that layer is supported (recursive drafting reuses it for K > 1)."
-            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail(f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
-        if self.mtp_vocab_size is not None and not 0 < self.mtp_vocab_size <= self.vocab_size:
-            fail(f"`mtp_vocab_size`={self.mtp_vocab_size} must be in (0, vocab_size={self.vocab_size}].")
         for name in ("rms_norm_eps", "hc_eps", "rope_theta", "swiglu_limit", "routed_scaling_factor"):
             if not float(getattr(self, name)) > 0:
                 fail(f"`{name}` must be positive, got {getattr(self, name)!r}.")
 
     # -- construction from a target ------------------------------------------------------------
     @classmethod
-    def from_target_config(cls, target_config, **overrides) -> DeepseekV4MtpConfig:
-        """Build the MTP config from a transformers `DeepseekV4Config` (or its dict).
+    def from_target_config(cls, target_config, **overrides):
+        """Build the drafter's config from a transformers `DeepseekV4Config` (or its dict).
 
-        The MTP layer is sliding-window only, so it uses the target's `main` RoPE (plain
+        The drafter's layers are sliding-window only, so they use the target's `main` RoPE (plain
         theta, no YaRN) and never the compressor settings.
         """
         cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
@@ -185,12 +176,7 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
             kwargs["qk_rope_head_dim"] = cfg["qk_rope_head_dim"]
         elif "qk_rope_head_dim" not in kwargs and cfg.get("partial_rotary_factor"):
             kwargs["qk_rope_head_dim"] = int(round(head_dim * cfg["partial_rotary_factor"]))
-        nextn = cfg.get("num_nextn_predict_layers", 1)
-        if nextn == 0:
-            raise ValueError(
-                "The target config says `num_nextn_predict_layers=0`: this checkpoint was released without an "
-                "MTP layer, so there is nothing to draft with."
-            )
+        kwargs.update(cls._target_fields(cfg))
         quant = cfg.get("quantization_config") or {}
         expert_dtype = quant.get("expert_dtype") if isinstance(quant, dict) else None
         if expert_dtype in ("fp4", "mxfp4"):
@@ -200,11 +186,110 @@ class DeepseekV4MtpConfig(PreTrainedConfig):
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    @classmethod
+    def _target_fields(cls, target_config: dict) -> dict:
+        """This drafter's own fields read from the target's config dict."""
+        return {}
+
     def binding_mismatches(self, target_config) -> list[str]:
         """Differences that make this draft unusable with `target_config` (empty if compatible)."""
-        other = DeepseekV4MtpConfig.from_target_config(target_config, expert_format=self.expert_format)
+        other = DeepseekV4DraftConfig.from_target_config(target_config, expert_format=self.expert_format)
         return [
             f"{name}: draft {getattr(self, name)!r} vs target {getattr(other, name)!r}"
             for name in BINDING_FIELDS
             if getattr(self, name) != getattr(other, name)
         ]
+
+
+class DeepseekV4MtpConfig(DeepseekV4DraftConfig):
+    r"""Configuration of [`DeepseekV4MtpForCausalLM`]: one DeepSeek-V4 MTP layer (design §2).
+
+    The MTP layer is a V4 draft layer fed by the target's pre-`hc_head` multi-stream residual
+    (:class:`DeepseekV4DraftConfig`).  Build it from a target config with
+    [`~DeepseekV4MtpConfig.from_target_config`].
+
+    MTP-specific fields:
+        mtp_vocab_size (`int`, *optional*): draft only over the first N vocabulary rows.
+    """
+
+    model_type = "deepseek_v4_mtp"
+
+    num_nextn_predict_layers: int = 1
+    mtp_vocab_size: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_nextn_predict_layers != 1:
+            raise ValueError(
+                f"Invalid DeepseekV4MtpConfig: `num_nextn_predict_layers`={self.num_nextn_predict_layers}: DeepSeek-V4 "
+                "ships one MTP layer; only that layer is supported (recursive drafting reuses it for K > 1).")
+        if self.mtp_vocab_size is not None and not 0 < self.mtp_vocab_size <= self.vocab_size:
+            raise ValueError(f"Invalid DeepseekV4MtpConfig: `mtp_vocab_size`={self.mtp_vocab_size} must be in "
+                             f"(0, vocab_size={self.vocab_size}].")
+
+    @classmethod
+    def _target_fields(cls, target_config: dict) -> dict:
+        if target_config.get("num_nextn_predict_layers", 1) == 0:
+            raise ValueError(
+                "The target config says `num_nextn_predict_layers=0`: this checkpoint was released without an "
+                "MTP layer, so there is nothing to draft with.")
+        return {}
+
+
+class DeepseekV4DSparkConfig(DeepseekV4DraftConfig):
+    r"""Configuration of [`DeepseekV4DSparkForCausalLM`]: DeepSeek-V4's DSpark drafter (design §7b).
+
+    ``num_draft_layers`` V4 draft layers draft a block of ``dspark_block_size`` tokens in one forward from
+    the anchor token and noise tokens, attending to context K/V built from the target's features at
+    ``dspark_target_layer_ids``; a low-rank Markov head makes the block semi-autoregressive and a
+    confidence head estimates each draft's acceptance.
+
+    DSpark fields (the release's `config.json` names):
+        dspark_block_size (`int`): drafts per block (γ; 5 in the releases).
+        dspark_noise_token_id (`int`): the id filling the block after the anchor.
+        dspark_target_layer_ids (`list[int]`): the target layers whose outputs feed the context K/V.
+        dspark_markov_rank (`int`): the rank r of the Markov head.
+        num_draft_layers (`int`): the drafter's layers (`mtp.0..N-1` in a release).
+        num_target_layers (`int`): the target's decoder layers (checked when binding).
+    """
+
+    model_type = "deepseek_v4_dspark"
+
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] | None = None
+    dspark_markov_rank: int = 256
+    num_draft_layers: int = 3
+    num_target_layers: int = 43
+
+    def validate(self) -> None:
+        super().validate()
+
+        def fail(msg: str):
+            raise ValueError(f"Invalid DeepseekV4DSparkConfig: {msg}")
+
+        for name in ("dspark_block_size", "dspark_markov_rank", "num_draft_layers", "num_target_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(f"`{name}` must be a positive integer, got {value!r}.")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            fail(f"`dspark_noise_token_id`={self.dspark_noise_token_id} must be a token id < vocab_size={self.vocab_size}.")
+        ids = self.dspark_target_layer_ids
+        if ids is None:
+            self.dspark_target_layer_ids = ids = list(range(self.num_target_layers - 3, self.num_target_layers))
+        if not ids or any(not isinstance(i, int) or not 0 <= i < self.num_target_layers for i in ids):
+            fail(f"`dspark_target_layer_ids`={ids} must name layers of the {self.num_target_layers}-layer target.")
+        if self.dspark_block_size > self.max_draft_tokens:
+            self.max_draft_tokens = self.dspark_block_size  # the window caches roll back a whole block
+
+    @classmethod
+    def _target_fields(cls, target_config: dict) -> dict:
+        missing = [k for k in ("dspark_block_size", "dspark_target_layer_ids") if target_config.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"The target config has no {missing}: it is not a DSpark release (DeepSeek-V4-Flash-0731, "
+                "-Flash-DSpark, -Pro-DSpark). Load the MTP with DeepseekV4MtpForCausalLM, or pass a DSpark release.")
+        out = {k: target_config[k] for k in ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                                             "dspark_markov_rank") if target_config.get(k) is not None}
+        out["num_target_layers"] = target_config.get("num_hidden_layers", cls.num_target_layers)
+        return out

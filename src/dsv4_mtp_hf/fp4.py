@@ -1,6 +1,6 @@
 """FP4 (e2m1) weight formats: packing, decoding and quantisation.
 
-Two block-scaled formats carry DeepSeek-V4's routed experts (SPEC §6):
+Two block-scaled formats carry DeepSeek-V4's routed experts (design §1):
 
 * ``mxfp4`` -- the native release: one E8M0 scale ``2**(e - 127)`` per 32 values
   along K.

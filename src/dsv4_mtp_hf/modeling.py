@@ -1,7 +1,7 @@
 """`DeepseekV4MtpForCausalLM`: DeepSeek-V4's multi-token-prediction layer as a transformers model.
 
 Row p of a forward pairs the target's pre-`hc_head` residual ``X_p [hc_mult, D]`` with the
-token ``t_{p+1}``, runs at RoPE position p, and predicts ``t_{p+2}`` (SPEC §2)::
+token ``t_{p+1}``, runs at RoPE position p, and predicts ``t_{p+2}`` (design §2)::
 
     e = enorm(embed(t_{p+1}));  x_j = h_proj(hnorm(X_p[j])) + e_proj(e)      (every stream j)
     x = V4 block(x)            # mHC -> attention -> mHC -> MoE (one sliding-window layer)
@@ -17,16 +17,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .cache import MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4MtpConfig
-from .layers.attention import GroupedOutputProjection, MtpAttention
-from .layers.hyper_connection import HyperConnection, HyperHead, hc_post
+from .draft_model import DeepseekV4DraftModel
+from .layers.block import DeepseekV4DraftBlock
+from .layers.hyper_connection import HyperHead
 from .layers.linear import project, project_sum
-from .layers.moe import FP4Experts, MtpMoE, Router
 from .layers.norms import RMSNorm
 from .layers.rope import rope_cos_sin
 from .ops.argmax import argmax_last
@@ -51,95 +49,16 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class _SharedTargetModules:
-    """Plain holder (not an nn.Module) so the target's embedding and head are used by
-    reference without being registered as our submodules or saved with our weights."""
-
-    def __init__(self, target):
-        self.target = target
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-
-
-class DeepseekV4MtpBlock(nn.Module):
-    """One V4 decoder layer (sliding-window attention, score-routed MoE) wrapped in mHC."""
-
-    def __init__(self, config: DeepseekV4MtpConfig):
-        super().__init__()
-        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MtpAttention(config)
-        self.mlp = MtpMoE(config)
-
-    def forward(self, streams, cos, sin, positions, cache=None, attention_backend=None, attention_plans=None):
-        collapsed, post, comb = self.attn_hc(streams)
-        attn = self.self_attn(self.input_layernorm(collapsed), cos, sin, positions, cache, attention_backend,
-                              attention_plans)
-        streams = hc_post(attn, streams, post, comb)
-        collapsed, post, comb = self.ffn_hc(streams)
-        ffn = self.mlp(self.post_attention_layernorm(collapsed))
-        return hc_post(ffn, streams, post, comb)
-
-
-class DeepseekV4MtpPreTrainedModel(PreTrainedModel):
-    config_class = DeepseekV4MtpConfig
-    config: DeepseekV4MtpConfig
-    base_model_prefix = "mtp"
-    main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
-    _no_split_modules = ["DeepseekV4MtpBlock"]
-    _supports_attention_backend = False
-    _keep_in_fp32_modules_strict = [
-        "attn_hc", "ffn_hc", "hc_head", "sinks", "e_score_correction_bias", "q_a_norm", "kv_norm",
-        "input_layernorm", "post_attention_layernorm", "norm", "enorm", "hnorm",
-    ]
-
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, GroupedOutputProjection, Router)):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, Router):
-                init.zeros_(module.e_score_correction_bias)
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, MtpAttention):
-            init.zeros_(module.sinks)
-        elif isinstance(module, HyperConnection):
-            init.normal_(module.fn, mean=0.0, std=std)
-            init.zeros_(module.base)
-            init.ones_(module.scale)
-        elif isinstance(module, HyperHead):
-            init.normal_(module.hc_fn, mean=0.0, std=std)
-            init.zeros_(module.hc_base)
-            init.ones_(module.hc_scale)
-        elif isinstance(module, FP4Experts):
-            self._init_fp4_experts(module, std)
-
-    @staticmethod
-    @torch.no_grad()
-    def _init_fp4_experts(module: FP4Experts, std: float) -> None:
-        # Quantise random dense experts so a randomly initialised model is never
-        # degenerate (all-zero codes would silence the routed experts).
-        if module.w13_weight.is_meta or getattr(module.w13_weight, "_is_hf_initialized", False):
-            return
-        i, d = module.intermediate_size, module.hidden_size
-        for e in range(module.num_experts):  # one expert at a time: bounded memory
-            module.set_expert(e, torch.randn(i, d) * std, torch.randn(i, d) * std, torch.randn(d, i) * std)
-
-
-class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
+class DeepseekV4MtpForCausalLM(DeepseekV4DraftModel):
     """DeepSeek-V4's MTP layer as a speculative-decoding draft model.
 
     Bind it to a transformers ``DeepseekV4ForCausalLM`` (``target_model=`` here or in
     ``from_pretrained``, or :meth:`bind`), then ``target.generate(ids, assistant_model=mtp)``.
     """
 
-    # The transformers candidate generator used for assisted generation (None: the default
-    # `generation.MtpCandidateGenerator`); tests swap in oracles here.
-    candidate_generator_class = None
+    config_class = DeepseekV4MtpConfig
+    config: DeepseekV4MtpConfig
+    base_model_prefix = "mtp"
 
     def __init__(self, config: DeepseekV4MtpConfig, target_model=None):
         super().__init__(config)
@@ -148,17 +67,14 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         self.hnorm = RMSNorm(d, config.rms_norm_eps)
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)
-        self.block = DeepseekV4MtpBlock(config)
+        self.block = DeepseekV4DraftBlock(config)
         self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self._shared: _SharedTargetModules | None = None
-        self.last_generation_stats = None  # GenerationStats of the last assisted generate call
         self.post_init()
         if self.generation_config is not None:
             self.generation_config.num_assistant_tokens = 3
             self.generation_config.num_assistant_tokens_schedule = "constant"
-        if target_model is not None:
-            self.bind(target_model)
+        self._init_binding(target_model)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target_model=None, **kwargs):
@@ -192,67 +108,6 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         from .loading import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
-
-    # -- binding to the target -----------------------------------------------------------------
-    @property
-    def target_model(self):
-        return None if self._shared is None else self._shared.target
-
-    @property
-    def is_bound(self) -> bool:
-        return self._shared is not None
-
-    def check_target(self, target) -> None:
-        """Raise if ``target`` cannot serve as this draft's target."""
-        config = getattr(target, "config", None)
-        if config is None or getattr(config, "model_type", None) != "deepseek_v4":
-            raise TypeError(
-                f"The MTP drafts for a DeepSeek-V4 target (transformers `DeepseekV4ForCausalLM`), got "
-                f"{type(target).__name__} with model_type {getattr(config, 'model_type', None)!r}."
-            )
-        mismatches = self.config.binding_mismatches(config)
-        if mismatches:
-            raise ValueError(
-                "This MTP does not match the target model: " + "; ".join(mismatches)
-                + ". Load the MTP from the same DeepSeek-V4 release as the target."
-            )
-        head = target.get_output_embeddings()
-        if head is None or head.weight.shape != (config.vocab_size, self.config.hidden_size):
-            raise ValueError("The target has no lm head of shape [vocab_size, hidden_size] to share with the MTP.")
-
-    def bind(self, target) -> DeepseekV4MtpForCausalLM:
-        """Share ``target``'s embedding and lm head and make ``target.generate(assistant_model=self)`` work."""
-        self.check_target(target)
-        if self._shared is not None and self._shared.target is not target:
-            self.unbind()
-        from .generation.binding import attach  # lazy: generation builds on the model, not the reverse
-
-        self._shared = _SharedTargetModules(target)
-        attach(self, target)
-        return self
-
-    def unbind(self) -> None:
-        """Detach from the target; the target behaves exactly as before binding."""
-        if self._shared is None:
-            return
-        from .generation.binding import detach
-
-        detach(self, self._shared.target)
-        self._shared = None
-
-    def _require_bound(self) -> _SharedTargetModules:
-        if self._shared is None:
-            raise RuntimeError(
-                "This MTP is not bound to a target: its embedding and lm head are the target's. Pass "
-                "`target_model=` to the constructor or `from_pretrained`, or call `mtp.bind(target)`."
-            )
-        return self._shared
-
-    def get_input_embeddings(self):
-        return None if self._shared is None else self._shared.embed_tokens
-
-    def get_output_embeddings(self):
-        return None if self._shared is None else self._shared.lm_head
 
     # -- draft vocabulary ----------------------------------------------------------------------
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None = None) -> None:
@@ -308,16 +163,6 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         kwargs.setdefault("dtype", w.dtype)
         return PagedMtpKVCache.from_config(self.config, batch_size=batch_size, **kwargs)
 
-    def generate(self, *args, **kwargs):
-        raise RuntimeError(
-            "The MTP is a draft model: it needs the target's hidden states. Bind it to the target "
-            "(`mtp.bind(target)`, or `from_pretrained(..., target_model=target)`) and call "
-            "`target.generate(input_ids, assistant_model=mtp)`; `mtp.generate(...)` alone cannot run."
-        )
-
-    def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
-        return True
-
     # -- forward ---------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, hidden_states, position_ids):
         c = self.config
@@ -342,8 +187,8 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         if int(input_ids.max()) >= c.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"token ids must lie in [0, vocab_size={c.vocab_size}).")
 
-    def _rows(self, input_ids, hidden_states, position_ids, cache, logits_to_keep: int, draft_vocab: bool,
-              attention_backend: str | None = None, attention_plans=None):
+    def forward_rows(self, input_ids, hidden_states, position_ids, cache, logits_to_keep: int, draft_vocab: bool,
+                     attention_backend: str | None = None, attention_plans=None):
         """The forward's tensor math, no checks and no host reads: ``(logits, residual)``."""
         shared = self._shared
         device, dtype = self.e_proj.weight.device, self.e_proj.weight.dtype
@@ -355,6 +200,11 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         h = self.norm(self.hc_head(h))
         return self._lm_logits(h, shared.lm_head, draft_vocab), residual
 
+    def draft_logits(self, residual: torch.Tensor) -> torch.Tensor:
+        """The draft-vocabulary logits ``[B, S, V]`` of the MTP's own residual rows ``[B, S, hc_mult, D]``
+        (``-inf`` outside the draft vocabulary)."""
+        return self._lm_logits(self.norm(self.hc_head(residual)), self._require_bound().lm_head, draft_vocab=True)
+
     def draft_step(self, tokens: torch.Tensor, residual: torch.Tensor, cache: PagedMtpKVCache, draft_vocab: bool = False,
                    attention_backend: str | None = None, attention_plans=None):
         """One greedy draft row per sequence on a paged cache, at each sequence's own length:
@@ -364,7 +214,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
         CUDA graphs take it whole; callers pass valid ids (e.g. the previous step's argmax).
         ``attention_backend`` / ``attention_plans``: as in :meth:`MtpAttention.forward`."""
         positions = cache.seq_lengths.clone().unsqueeze(1)  # a copy: the cache advances its lengths in place
-        logits, residual = self._rows(tokens, residual, positions, cache, 1, draft_vocab, attention_backend,
+        logits, residual = self.forward_rows(tokens, residual, positions, cache, 1, draft_vocab, attention_backend,
                                       attention_plans)
         logits = logits[:, -1]
         return argmax_last(logits).unsqueeze(-1), logits, residual
@@ -409,7 +259,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4MtpPreTrainedModel, GenerationMixin):
                 f"position {int(position_ids.max())} is beyond max_position_embeddings="
                 f"{self.config.max_position_embeddings} of this MTP."
             )
-        logits, residual = self._rows(input_ids, hidden_states, position_ids, past_key_values, logits_to_keep, draft_vocab,
+        logits, residual = self.forward_rows(input_ids, hidden_states, position_ids, past_key_values, logits_to_keep, draft_vocab,
                                       attention_backend)
         loss = None
         if labels is not None:

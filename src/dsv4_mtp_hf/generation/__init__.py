@@ -1,18 +1,27 @@
-"""Generation glue: binding to a V4 target, the MTP candidate generator, the rollback-able target cache,
-grammar-constrained generation (xgrammar, optional), batched speculative decoding."""
+"""The draft side: drafters under transformers' assisted loop, our loop on a graphed target, and batches.
 
-from .candidate import MtpCandidateGenerator
+* ``round``: a round's rules (K, acceptance, the EOS / length cut); ``sampling``: the one sampler;
+* ``drafter``: the protocol a drafter implements (``mtp_session`` + ``mtp_graph`` for the MTP);
+* the drivers: ``candidate`` (transformers' loop), ``assisted_loop`` (ours), ``speculative`` (batches);
+* ``binding``: bind/unbind and the assisted ``generate`` calls; ``draft_length``, ``stats``, ``grammar``.
+"""
+
+from ..target import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, graph_target, ungraph_target
+from .candidate import DraftCandidateGenerator
+from .drafter import Drafts, DraftSession
 from .grammar import GrammarStats, XGrammarLogitsProcessor
 from .speculative import SpeculativeOutput, mtp_decoding, speculative_generate
-from .stats import GenerationStats
-from ..target import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, graph_target, ungraph_target
+from .stats import BatchGenerationStats, GenerationStats
 
 __all__ = [
+    "BatchGenerationStats",
     "CacheRollbackError",
+    "DraftCandidateGenerator",
+    "DraftSession",
+    "Drafts",
     "GenerationStats",
     "GraphedTargetCache",
     "GrammarStats",
-    "MtpCandidateGenerator",
     "RollbackDeepseekV4Cache",
     "SpeculativeOutput",
     "XGrammarLogitsProcessor",

@@ -7,8 +7,8 @@ spends about 1-2 ms of host time there per round (input and mask bookkeeping, a 
 the logits, stopping criteria, cache and kwargs updates), as much as the MTP's whole round.
 This loop runs the same round with the host doing only what it must:
 
-* the MTP drafts through the candidate generator (:class:`~.candidate.MtpCandidateGenerator`,
-  or ``mtp.candidate_generator_class``): one round-graph replay;
+* the drafter drafts through the call's candidate generator (:class:`~.candidate.DraftCandidateGenerator`, the
+  drafter's session): one round-graph replay;
 * the target verifies the last confirmed token and the drafts through its forward (so
   forward hooks on the target fire, as in ``generate``): one step-graph replay;
 * the greedy choice at every verified row and the number of accepted drafts are computed on
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from . import round as rounds
 from . import sampling
 
 
@@ -51,25 +52,19 @@ def _limits(stopping_criteria) -> tuple[int, set[int]] | None:
 
 def serves(logits_processor, stopping_criteria, generation_config, synced_gpus) -> bool:
     """Whether this loop serves the call (the module docstring), else transformers' loop does."""
-    processors_served = sampling.graph_safe(logits_processor) if generation_config.do_sample else not logits_processor
+    processors_served = rounds.regime(generation_config.do_sample, logits_processor) != "processed"
     return (processors_served and not synced_gpus and not generation_config.return_dict_in_generate
             and _limits(stopping_criteria) is not None)
 
 
-def _kept(selected: list[int], accepted: int, room: int, eos: set[int]) -> list[int]:
-    """The round's new tokens: the accepted drafts and the target's token after them (``selected[:accepted + 1]``,
-    the drafts being equal to the target's choices there), up to the first EOS and at most ``room``."""
-    tokens = selected[: min(accepted + 1, room)]
-    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:end]
-
-
-def _choose(logits: torch.Tensor, warpers) -> torch.Tensor:
-    """The target's token at each row of ``logits [n, V]``: the argmax (``warpers`` None), or a draw from the
+def _first_token(logits: torch.Tensor, warpers) -> torch.Tensor:
+    """The target's token after the prompt from its last logits row ``[1, V]``: the argmax, or a draw from the
     warped distribution."""
     if warpers is None:
         return logits.argmax(-1)
-    return sampling.draw(sampling.warp(warpers, logits).softmax(-1))
+    probs = sampling.warp(warpers, logits).softmax(-1)
+    sampling.check_finite(probs, "The target's distribution after the prompt")
+    return sampling.draw(probs)
 
 
 @torch.no_grad()
@@ -77,18 +72,18 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
            **model_kwargs):
     """The loop (module docstring) for ``input_ids [1, L]`` with generate's ``model_kwargs``; ``candidates``
     is the call's candidate generator, ``model_kwargs[cache_name]`` the target's
-    :class:`~.target_graph.GraphedTargetCache`; ``warpers``: the call's (graph-safe) logits processors when it
-    samples, None when it is greedy.  Returns ``[1, L + new]``."""
+    :class:`~dsv4_mtp_hf.target.graph.GraphedTargetCache` (empty, or holding a prefix of ``input_ids`` from an
+    earlier call); ``warpers``: the call's (graph-safe) logits processors when it samples, None when greedy.
+    Returns ``[1, L + new]``."""
     max_length, eos = _limits(stopping_criteria)
     cache = model_kwargs[cache_name]
-    candidates.verifier_cuts_at_eos = True  # `_kept` below: no host read of the drafts for transformers 5.17
+    candidates.verifier_cuts_at_eos = True  # `rounds.cut` below: no host read of the drafts for transformers 5.17
     ids = input_ids
-    # The prompt: transformers' first iteration (no drafts), then the target's forward over it.
+    # The prompt (what the cache does not hold yet): transformers' first iteration, no drafts.
     candidates.get_candidates(ids, is_first_iteration=True)
-    prefill = {k: model_kwargs[k] for k in ("attention_mask", "position_ids") if model_kwargs.get(k) is not None}
-    logits = model(ids, **{cache_name: cache}, **prefill, logits_to_keep=1).logits
-    selected = _choose(logits[0, -1:], warpers).to(ids.device)
-    tokens, accepted = _kept(selected.tolist(), 0, max_length - ids.shape[1], eos), 0
+    logits = model(ids[:, cache.get_seq_length():], **{cache_name: cache}, logits_to_keep=1).logits
+    selected = _first_token(logits[0, -1:], warpers).to(ids.device)
+    tokens, accepted = rounds.cut(selected.tolist(), eos, max_length - ids.shape[1]), 0
     while True:
         # The kept tokens are a prefix of the target's choices: appended from the device, no upload.
         ids = torch.cat([ids, selected[None, : len(tokens)]], dim=1)
@@ -102,18 +97,16 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
         drafted = candidate_ids.shape[1] - length
         verify = candidate_ids[:, length - 1 :].to(ids.device)  # the last confirmed token, then the drafts
         logits = model(verify, **{cache_name: cache}, logits_to_keep=drafted + 1).logits
-        if warpers is None:
-            selected = logits[0].argmax(-1).to(ids.device)  # the target's greedy token at each verified row
-            matches = (verify[0, 1:] == selected[:drafted]).cumprod(0).sum()
-        else:  # accepted drafts, then the target's (re)sampled token: selected[:matches + 1]
-            p = sampling.warp(warpers, logits[0]).softmax(-1)
-            q = p.new_zeros(0, p.shape[-1]) if q is None else q[0].to(p.device).softmax(-1)
-            matches, selected = sampling.speculative_accept(verify[:, 1:].to(p.device), q[None], p[None])
-            matches, selected = matches[0], selected[0].to(ids.device)
-        read = torch.cat([matches.view(1), selected]).tolist()  # the round's one host read
-        accepted = read[0]
-        tokens = _kept(read[1:], accepted, max_length - length, eos)
-        cache.crop(length + len(tokens) - 1)  # the target has processed all but the last kept token
+        accepted, selected = rounds.accept(verify[:, 1:], logits, q, warpers)
+        read = [accepted.view(1), selected[0]]
+        if warpers is not None:  # a NaN anywhere would be drawn silently: checked in the same read
+            read.append(torch.isfinite(logits).all().view(1).long())
+        read = torch.cat(read).tolist()  # the round's one host read
+        if warpers is not None and not read.pop():
+            sampling.check_finite(logits, "The target's logits at the verified rows")
+        accepted, selected = read[0], selected[0].to(ids.device)
+        tokens = rounds.cut(read[1:], eos, min(accepted + 1, max_length - length))
+        cache.crop(length + len(tokens) - 1 - cache.get_seq_length())  # the target processed all but the last
     if streamer is not None:
         streamer.end()
     return ids

@@ -1,67 +1,118 @@
-"""Binding an MTP draft to a transformers `DeepseekV4ForCausalLM` target.
+"""Binding a drafter to a transformers ``DeepseekV4ForCausalLM`` target, and its assisted ``generate`` calls.
 
-transformers refuses assisted generation for V4 (`_is_stateful`) and only builds its own
-candidate generators.  Binding changes nothing process-wide: it sets per-instance
-attributes on the ONE target object (`generate` and `_get_candidate_generator`), which
-defer to the class's own methods unless this MTP is the `assistant_model`.  Only inside
-such a call does the target get a rollback-able cache, a hook that hands its pre-`hc_head`
-residual to the draft, and `_is_stateful = False`.  `unbind()` removes all of it.
-On a graphed target the call decodes through our loop (:mod:`.assisted_loop`), handed to
-``generate`` as its ``custom_generate``.
+transformers refuses assisted generation for V4 (``_is_stateful``) and only builds its own candidate
+generators.  Binding changes nothing process-wide: :mod:`dsv4_mtp_hf.patching` gives the ONE target object a
+``generate`` wrapper, and :func:`_assisted_call` (registered there) serves the calls whose
+``assistant_model`` is one of our drafters (or ``use_mtp=True`` with one bound).  Only inside such a call
+does the target get ``_is_stateful = False``, our candidate generator, a rollback-able cache and a feature
+tap on the layers the drafter reads.  ``unbind()`` removes all of it.
+
+What a call checks before it runs (each refusal names the fix): one sequence (batches: the batched API),
+one beam, a left-padded mask (the pads are stripped, as the batched path does, and put back on the output),
+transformers settings this path does not honour, and a cache handed in: empty, or holding a prefix of the
+input that an earlier call with this drafter left (multi-turn; the drafter resumes from its state then).
+On a graphed target the call decodes through our loop (:mod:`.assisted_loop`) where it serves the call.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from .. import patching
 from ..compat import cache_kwarg
+from ..target.features import FeatureTap
 from ..target.graph import GraphedTargetCache, final_length, graphed
 from ..target.rollback_cache import RollbackDeepseekV4Cache
-from . import assisted_loop
-from .candidate import MtpCandidateGenerator
-from .draft_length import AUTO_MAX_DRAFTS
+from . import assisted_loop, dspark_session, mtp_session  # noqa: F401  (the drafters' sessions register)
+from . import round as rounds
+from .candidate import DraftCandidateGenerator
+from .drafter import session_class
 from .stats import GenerationStats
 
-class _AssistedRun:
-    """State of one assisted `generate` call."""
+# transformers settings that choose other candidate generators or schedules: refused, with what to use instead.
+REFUSED = {
+    "num_assistant_tokens_schedule": "our drafters choose K per round with `num_assistant_tokens=\"auto\"`",
+    "prompt_lookup_num_tokens": "prompt lookup and a drafter are two candidate generators: pass one of them",
+    "assistant_early_exit": "early exit drafts with the target's own layers: pass it without `assistant_model`",
+    "assistant_lookbehind": "it aligns two tokenizers; the drafter shares the target's",
+    "target_lookbehind": "it aligns two tokenizers; the drafter shares the target's",
+    "prefill_chunk_size": "the assisted prefill runs whole (a graphed target already replays it in chunks)",
+}
 
-    def __init__(self, mtp, target, num_assistant_tokens: int, auto: bool = False, graphs=None):
-        self.mtp, self.target = mtp, target
-        self.num_assistant_tokens = num_assistant_tokens  # with ``auto``: the most drafts a round may have
-        self.auto = auto
-        self.stats = GenerationStats(num_assistant_tokens, auto=auto)
-        self._residual = None
-        # On its graphed cache a graphed target runs its head inside its step and hands the residual over itself.
-        self._graphs = graphs
-        self._hook = None if graphs is not None else target.model.hc_head.register_forward_pre_hook(self._capture)
 
-    def _capture(self, module, args):
-        self._residual = args[0]
+def attach(drafter, target) -> None:
+    patching.record(target, create=True).drafts.add(drafter)
+    patching.refresh_generate(target)
 
-    def take_residual(self) -> torch.Tensor | None:
-        """The target's pre-``hc_head`` streams ``[1, n, hc, D]`` of its last forward, once."""
-        if self._graphs is not None:
-            return self._graphs.take_residual()
-        residual, self._residual = self._residual, None
-        return residual
+
+def detach(drafter, target) -> None:
+    rec = patching.record(target)
+    if rec is None:
+        return
+    rec.drafts.discard(drafter)
+    patching.refresh_generate(target)  # the last drafter leaves: the target is as before binding (unless graphed)
+
+
+@dataclass
+class DraftState:
+    """What an assisted call leaves on the target's cache for the next call with it (multi-turn): the drafter,
+    the tokens the cache holds, the drafter's session snapshot."""
+
+    drafter: object
+    tokens: torch.Tensor  # [1, cache length]
+    snapshot: dict
+
+
+class AssistedCall:
+    """One assisted ``generate`` call: the drafter and its session, K, the feature source, the statistics."""
+
+    def __init__(self, drafter, target, num_drafts: int, auto: bool, graphs=None, resume: DraftState | None = None,
+                 confidence_threshold: float | None = None):
+        self.drafter, self.target, self.num_drafts, self.auto = drafter, target, num_drafts, auto
+        self.confidence_threshold = confidence_threshold
+        self.session_class = session_class(drafter)
+        layers = self.session_class.feature_layers(drafter, target.config)
+        self.stats = GenerationStats(num_drafts, auto=auto)
+        self.session = None
+        self.resume = resume
+        self._tap = None
+        if graphs is not None:  # a graphed target writes the layers' outputs from its graphs
+            graphs.tap(layers)
+            self._take = graphs.take_features
+        else:
+            self._tap = FeatureTap(target, layers)
+            self._take = self._tap.take
+
+    def start_session(self, regime: str, warpers):
+        self.session = self.session_class(self.drafter, self.num_drafts, regime, warpers)
+        if self.resume is not None:
+            self.session.restore(self.resume.snapshot)
+        return self.session
+
+    def take_features(self) -> torch.Tensor | None:
+        return self._take()
+
+    def candidates(self, generation_config, logits_processor) -> DraftCandidateGenerator:
+        return DraftCandidateGenerator(self, generation_config, logits_processor)
+
+    def leave_state(self, cache, sequences: torch.Tensor) -> None:
+        """After the call: what the next call on ``cache`` resumes from (the rows the target processed last)."""
+        length = cache.get_seq_length()
+        if self.session is None or length == 0:
+            cache.draft_state = None
+            return
+        self.session.hold(self.take_features(), processed=length)
+        cache.draft_state = DraftState(self.drafter, sequences[:1, :length].clone(), self.session.snapshot())
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._residual = None
+        if self._tap is not None:
+            self._tap.close()
 
 
-def _candidates(mtp, run, generation_config, logits_processor):
-    """The call's candidate generator: ``mtp.candidate_generator_class`` (a benchmark's or a test's), else ours."""
-    return (mtp.candidate_generator_class or MtpCandidateGenerator)(
-        mtp, run, generation_config, logits_processor=logits_processor
-    )
-
-
-def _graphed_decoding(mtp, run, name, streamer, synced_gpus):
+def _graphed_decoding(call, name, streamer, synced_gpus):
     """The ``custom_generate`` callable of an assisted call on a graphed target: our loop
     (:mod:`.assisted_loop`) where it serves the call, else transformers' own, with generate's
     prepared arguments either way.  ``streamer`` and ``synced_gpus`` are the call's own (generate
@@ -70,104 +121,211 @@ def _graphed_decoding(mtp, run, name, streamer, synced_gpus):
     def decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
                  **model_kwargs):
         if assisted_loop.serves(logits_processor, stopping_criteria, generation_config, synced_gpus):
-            candidates = _candidates(mtp, run, generation_config, logits_processor)
+            candidates = call.candidates(generation_config, logits_processor)
             warpers = logits_processor if generation_config.do_sample else None
             return assisted_loop.decode(model, candidates, name, input_ids, stopping_criteria, streamer, warpers,
                                         **model_kwargs)
         return type(model)._assisted_decoding(
             model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=mtp, **model_kwargs,
+            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=call.drafter, **model_kwargs,
         )
 
     return decoding
 
 
-def attach(mtp, target) -> None:
-    patching.record(target, create=True).drafts.add(mtp)
-    patching.refresh_generate(target)
-
-
-def detach(mtp, target) -> None:
-    rec = patching.record(target)
-    if rec is None:
-        return
-    rec.drafts.discard(mtp)
-    patching.refresh_generate(target)  # the last draft leaves: the target is exactly as before binding (unless graphed)
-
-
-def _assisted_call(target, cls_generate, args, kwargs):
-    """The generate handler of bound drafters: an assisted call with one of ours as ``assistant_model``."""
-    assistant = kwargs.get("assistant_model")
-    if getattr(getattr(assistant, "config", None), "model_type", None) != "deepseek_v4_mtp":
-        return NotImplemented
-    if assistant.target_model is not target:
-        raise ValueError(
-            "This DeepSeek-V4 MTP is not bound to the target model you generate with (it is bound to "
-            f"{'no target' if assistant.target_model is None else 'a different target'}); call "
-            "`mtp.bind(target)` first."
-        )
-    return _assisted_generate(assistant, target, cls_generate, args, kwargs)
-
-
-def _get_candidate_generator(target, run):
+def _candidate_generator(target, call):
     cls_get = type(target)._get_candidate_generator
 
     def get(*args, **kwargs):
-        if kwargs.get("assistant_model") is not run.mtp:
+        if kwargs.get("assistant_model") is not call.drafter:
             return cls_get(target, *args, **kwargs)
-        return _candidates(run.mtp, run, kwargs["generation_config"], kwargs.get("logits_processor"))
+        return call.candidates(kwargs["generation_config"], kwargs.get("logits_processor"))
 
     return get
 
 
-def _assisted_generate(mtp, target, cls_generate, args, kwargs):
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:
+def _prefill_uncached(target):
+    """transformers' assisted loop forwards the whole input on its first iteration, even onto a cache holding a
+    prefix of it (multi-turn): slice the input to what the cache does not hold, as plain ``generate`` does."""
+    cls_prepare = type(target).prepare_inputs_for_generation
+
+    def prepare(input_ids, *args, next_sequence_length=None, is_first_iteration=False, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if is_first_iteration and next_sequence_length is None and cache is not None and cache.get_seq_length():
+            next_sequence_length = input_ids.shape[1] - cache.get_seq_length()
+        return cls_prepare(target, input_ids, *args, next_sequence_length=next_sequence_length,
+                           is_first_iteration=is_first_iteration, **kwargs)
+
+    return prepare
+
+
+def _assisted_call(target, cls_generate, args, kwargs):
+    """The generate handler of bound drafters: an assisted call with one of ours as ``assistant_model``."""
+    drafter = _drafter_of_call(target, kwargs)
+    if drafter is None:
+        return NotImplemented
+    if drafter.target_model is not target:
         raise ValueError(
-            f"MTP speculative decoding through `generate(assistant_model=...)` runs one sequence at a time "
-            f"(transformers' assisted loop is batch-1), got a batch of {ids.shape[0]}. Generate each sequence "
-            "separately."
-        )
-    k = kwargs.pop("num_assistant_tokens", None)
-    k = mtp.generation_config.num_assistant_tokens if k is None else k
-    auto = k == "auto"
-    if auto:  # chosen per round, at most AUTO_MAX_DRAFTS (generation/draft_length.py)
-        k = min(AUTO_MAX_DRAFTS, mtp.config.max_draft_tokens + 1)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1 (drafts per round) or \"auto\", got {k!r}.")
-    if k - 1 > mtp.config.max_draft_tokens:
+            f"This {type(drafter).__name__} is not bound to the target model you generate with (it is bound to "
+            f"{'no target' if drafter.target_model is None else 'a different target'}); call "
+            "`drafter.bind(target)` first.")
+    kwargs = _as_keywords(cls_generate, target, args, kwargs)
+    ids, pads = _unpadded(kwargs)
+    _check_settings(target, drafter, ids, kwargs)
+    return _repad(_assisted_generate(drafter, target, cls_generate, kwargs, ids), pads)
+
+
+def _drafter_of_call(target, kwargs):
+    """The call's drafter of ours (``assistant_model``, or the bound one for ``use_mtp=True``), else None."""
+    assistant = kwargs.get("assistant_model")
+    if kwargs.get("use_mtp") and assistant is None:
+        rec = patching.record(target)
+        bound = [d for d in (rec.drafts if rec is not None else ()) if session_class(d) is not None]
+        if len(bound) != 1:
+            raise ValueError(f"`use_mtp=True` drafts with the drafter bound to this target, and {len(bound)} are "
+                             "bound: pass `assistant_model=drafter` to choose one.")
+        kwargs.pop("use_mtp")
+        kwargs["assistant_model"] = assistant = bound[0]
+    if session_class(assistant) is None:
+        return None
+    kwargs.pop("use_mtp", None)
+    return assistant
+
+
+def _unpadded(kwargs: dict):
+    """The call's input without left padding: ``(input_ids [1, L], pads [1, P] or None)``.  A batch-1
+    attention mask with leading zeros is stripped with its tokens (the output gets them back in front): the
+    answer is then plain ``generate``'s for the unpadded prompt, as in the batched path.  Holes or right
+    padding are refused."""
+    ids = kwargs.get("inputs", kwargs.get("input_ids"))
+    mask = kwargs.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("assisted generation with our drafters takes `input_ids` as a [1, seq] tensor of token ids.")
+    if ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"`input_ids` must be integer token ids, got a {ids.dtype} tensor.")
+    if mask is None or ids.shape[0] != 1 or bool(mask.bool().all()):
+        return ids, None
+    keep = mask[0].bool()
+    first = int(keep.nonzero()[0]) if keep.any() else ids.shape[1]
+    if first == ids.shape[1] or not bool(keep[first:].all()):
+        raise ValueError("the attention mask has holes or right padding; assisted generation takes a left-padded "
+                         "(or unpadded) prompt. Strip the padding, or use "
+                         "`dsv4_mtp_hf.generation.speculative_generate` for padded batches.")
+    stripped = ids[:, first:]
+    for name in ("input_ids", "inputs"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            kwargs[name] = stripped
+    kwargs["attention_mask"] = mask[:, first:]
+    return stripped, ids[:, :first]
+
+
+def _repad(out, pads):
+    if pads is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return torch.cat([pads.to(out.device), out], dim=1)
+    out.sequences = torch.cat([pads.to(out.sequences.device), out.sequences], dim=1)
+    return out
+
+
+def _setting(target, kwargs: dict, name: str):
+    """A generation setting as this call sees it: its keyword, else the passed or the target's config."""
+    if name in kwargs:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or target.generation_config
+    return getattr(config, name, None)
+
+
+def _check_settings(target, drafter, ids: torch.Tensor, kwargs: dict) -> None:
+    """Refuse what this path cannot honour, naming what to use instead."""
+    if ids.shape[0] != 1:
         raise ValueError(
-            f"`num_assistant_tokens`={k} exceeds what the MTP cache can roll back "
-            f"(config.max_draft_tokens={mtp.config.max_draft_tokens}); raise `mtp.config.max_draft_tokens`."
-        )
+            f"assisted generation with a drafter runs one sequence per `generate` call (transformers' assisted loop "
+            f"is batch-1), got a batch of {ids.shape[0]}. For batches use "
+            "`dsv4_mtp_hf.generation.speculative_generate(target, drafter, prompts)` or "
+            "`target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=drafter)`.")
+    for name in ("num_beams", "num_return_sequences"):
+        value = _setting(target, kwargs, name)
+        if value is not None and value > 1:
+            raise ValueError(f"`{name}={value}`: speculative decoding verifies one greedy or sampled continuation; "
+                             f"set {name}=1 (or generate without `assistant_model` for beam search).")
+    for name, instead in REFUSED.items():
+        if _setting(target, kwargs, name) is not None:
+            raise ValueError(f"`{name}` is not honoured with {type(drafter).__name__}: {instead}.")
+    threshold = _setting(target, kwargs, "assistant_confidence_threshold")
+    if threshold is not None and not getattr(session_class(drafter), "confidence_head", False):
+        raise ValueError(f"`assistant_confidence_threshold` needs a drafter with a confidence head (DSpark); "
+                         f"{type(drafter).__name__} has none. Use `num_assistant_tokens=\"auto\"`.")
+
+
+def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
+    cls = session_class(drafter)
+    value = kwargs.pop("num_assistant_tokens", None)
+    value = drafter.generation_config.num_assistant_tokens if value is None else value
+    num_drafts, auto = rounds.resolve_num_drafts(value, cls.max_drafts(drafter), cls.auto_num_drafts(drafter),
+                                                cls.limit_hint)
     name = cache_kwarg(target)
-    other = "past_key_values" if name == "cache" else "cache"
     cache = kwargs.pop(name, None)
-    cache = kwargs.pop(other, None) if cache is None else cache
-    graphs = graphed(target)
-    if cache is None and graphs is not None:
-        graphs.check_length(final_length(target, args, kwargs))
-        cache = graphs.new_cache(k)
-    elif cache is None:
-        cache = RollbackDeepseekV4Cache(target.config, max_rollback=k)
-    elif not isinstance(cache, (RollbackDeepseekV4Cache, GraphedTargetCache)) or cache.max_rollback < k:
-        raise ValueError(
-            "MTP speculative decoding needs a target cache that rolls back compressed-attention state: pass no "
-            f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={k})`."
-        )
+    other = kwargs.pop("past_key_values" if name == "cache" else "cache", None)
+    cache = other if cache is None else cache
+    cache, resume = _call_cache(target, cache, num_drafts, drafter, ids, kwargs)
     kwargs[name] = cache
     on_graphs = isinstance(cache, GraphedTargetCache)
-    run = _AssistedRun(mtp, target, k, auto, cache.graphs if on_graphs else None)
+    threshold = _setting(target, kwargs, "assistant_confidence_threshold")
+    call = AssistedCall(drafter, target, num_drafts, auto, cache.graphs if on_graphs else None, resume, threshold)
     if on_graphs and kwargs.get("custom_generate") is None:
-        call = inspect.signature(cls_generate).bind_partial(target, *args, **kwargs).arguments
-        kwargs["custom_generate"] = _graphed_decoding(mtp, run, name, call.get("streamer"),
-                                                      bool(call.get("synced_gpus")))
-    mtp.last_generation_stats = run.stats
+        kwargs["custom_generate"] = _graphed_decoding(call, name, kwargs.get("streamer"),
+                                                      bool(kwargs.get("synced_gpus")))
+    drafter.last_generation_stats = call.stats
+    patches = dict(_is_stateful=False, _get_candidate_generator=_candidate_generator(target, call),
+                   prepare_inputs_for_generation=_prefill_uncached(target))
     try:
-        with patching.during(target, _is_stateful=False, _get_candidate_generator=_get_candidate_generator(target, run)):
-            return cls_generate(target, *args, **kwargs)
+        with patching.during(target, **patches):
+            out = cls_generate(target, **kwargs)
+        call.leave_state(cache, out if isinstance(out, torch.Tensor) else out.sequences)
+        return out
     finally:
-        run.close()
+        call.close()
+
+
+def _call_cache(target, cache, num_drafts: int, drafter, ids, kwargs):
+    """The target cache of the call and the drafter state to resume from: a new rollback-able cache (graphed on
+    a graphed target), or the caller's, empty or holding a prefix of ``ids`` an earlier call with this drafter
+    left (multi-turn)."""
+    graphs = graphed(target)
+    if cache is None:
+        if graphs is not None:
+            graphs.check_length(final_length(target, (), {**kwargs, "inputs": ids}))
+            return graphs.new_cache(num_drafts), None
+        return RollbackDeepseekV4Cache(target.config, max_rollback=num_drafts), None
+    if not isinstance(cache, (RollbackDeepseekV4Cache, GraphedTargetCache)) or cache.max_rollback < num_drafts:
+        raise ValueError(
+            "speculative decoding needs a target cache that rolls back compressed-attention state: pass no "
+            f"cache, or a `RollbackDeepseekV4Cache(config, max_rollback>={num_drafts})`.")
+    length = cache.get_seq_length()
+    if length == 0:
+        return cache, None
+    state = getattr(cache, "draft_state", None)
+    if state is None or state.drafter is not drafter or state.tokens.shape[1] != length:
+        raise ValueError(
+            f"this cache holds {length} tokens that {type(drafter).__name__} did not see the target process (a plain "
+            "`generate`, a forward or another drafter filled it), so the drafter has no context for them. Pass a "
+            "fresh cache (or none), or generate every turn with this `assistant_model`.")
+    if ids.shape[1] <= length or not torch.equal(state.tokens.to(ids.device), ids[:, :length]):
+        raise ValueError(
+            f"this cache holds {length} tokens that are not a prefix of `input_ids` (another conversation, or an "
+            "edited one): pass a fresh cache (or none), or the whole conversation so far as `input_ids`.")
+    return cache, state
+
+
+def _as_keywords(cls_generate, target, args, kwargs) -> dict:
+    """The call's arguments by keyword (positional ones named by ``generate``'s signature)."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(cls_generate).bind_partial(target, *args, **kwargs).arguments
+    bound.pop("self", None)
+    extra = bound.pop("kwargs", {})
+    return {**bound, **extra}
 
 
 patching.register_generate_handler(_assisted_call, first=True)

@@ -22,24 +22,18 @@ EXPLORE_EVERY = 8
 AUTO_MAX_DRAFTS = 4  # drafts per round at most with "auto"
 
 
-class AutoDraftLength:
+class _RoundCost:
+    """Each round's wall time (from one round's choice to the next) recorded under the number of drafts it
+    verified, and the fitted relative cost ``r`` of one more verified draft."""
+
     def __init__(self, max_k: int):
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}.")
         self.max_k = max_k
-        self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
-        self.taken = [0] * max_k  # ... and accepted draft j
         self.times: dict[int, list[float]] = {}  # K -> round wall times (s)
         self.choices: list[int] = []  # the K of every round
         self._pending = None  # (K, start time) of the round in flight
         self._clock = time.perf_counter
-
-    def expected_tokens(self, k: int) -> float:
-        total, p = 1.0, 1.0
-        for j in range(k):
-            p *= (self.taken[j] + 1) / (self.offered[j] + 2)
-            total += p
-        return total
 
     def slope(self) -> float:
         """``r``: the relative cost of one more draft, fitted from the recorded round times."""
@@ -52,27 +46,82 @@ class AutoDraftLength:
         c0 = mt - b * mk
         return max(b / c0, 0.0) if c0 > 0 else PRIOR_SLOPE
 
+    def _start(self, k: int) -> int:
+        """The round about to run verifies ``k`` drafts; ends the timing of the previous round."""
+        now = self._clock()
+        if self._pending is not None:
+            pk, start = self._pending
+            self.times.setdefault(pk, []).append(now - start)
+        self.choices.append(k)
+        self._pending = (k, now)
+        return k
+
+    def skip_timing(self) -> None:
+        """The round in flight is not a typical one (the drafter's first pass over the prompt): do not time it."""
+        self._pending = None
+
+
+class ConfidenceLength(_RoundCost):
+    """The verify length of a drafter with a confidence head (DSpark, design §7b).  ``c_j`` estimates that
+    draft j is accepted given drafts 1..j-1 were, so ``a_j = c_1 ... c_j`` is the chance the verifier gets past
+    draft j and ``tau_j = 1 + a_1 + ... + a_j`` the tokens a round verifying j drafts yields.  With a
+    ``threshold``: the longest prefix whose confidences are all at least it.  Without (``"auto"``): the paper's
+    Algorithm 1 for one request, with the round's cost ``1 + r j`` measured in this call (:class:`_RoundCost`):
+    lengthen while ``tau_j / (1 + r j)`` grows, stop at the first j where it does not.  Both rules read only the
+    confidences up to j, which depend on the drafts before j: the choice is non-anticipating, so speculative
+    sampling stays exact (design §7b)."""
+
+    def __init__(self, max_k: int, threshold: float | None = None):
+        super().__init__(max_k)
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"`assistant_confidence_threshold` must lie in [0, 1], got {threshold!r}.")
+        self.threshold = threshold
+
+    def choose(self, confidences: list[float]) -> int:
+        """The number of drafts (1..max_k) to verify this round, from the round's confidences."""
+        confidences = confidences[: self.max_k]
+        if self.threshold is not None:
+            k = next((j for j, c in enumerate(confidences) if c < self.threshold), len(confidences))
+            return self._start(max(k, 1))
+        r, k, tau, survive = self.slope(), 0, 1.0, 1.0
+        best = tau
+        for j, c in enumerate(confidences, start=1):
+            survive *= c
+            tau += survive
+            if tau / (1 + r * j) <= best:
+                break
+            k, best = j, tau / (1 + r * j)
+        return self._start(max(k, 1))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Nothing to learn: the confidences carry the acceptance estimate."""
+
+
+class AutoDraftLength(_RoundCost):
+    """``num_assistant_tokens="auto"`` for a drafter without confidences (the MTP): the module docstring."""
+
+    def __init__(self, max_k: int):
+        super().__init__(max_k)
+        self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
+        self.taken = [0] * max_k  # ... and accepted draft j
+
+    def expected_tokens(self, k: int) -> float:
+        total, p = 1.0, 1.0
+        for j in range(k):
+            p *= (self.taken[j] + 1) / (self.offered[j] + 2)
+            total += p
+        return total
+
     def best(self) -> int:
         r = self.slope()
         return max(range(1, self.max_k + 1), key=lambda k: self.expected_tokens(k) / (1 + r * k))
 
     def choose(self) -> int:
         """The K of the round about to be drafted; ends the timing of the previous round."""
-        now = self._clock()
-        if self._pending is not None:
-            k, start = self._pending
-            self.times.setdefault(k, []).append(now - start)
         k = self.best()
         if len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = k + 1 if k < self.max_k else k - 1  # a neighbour, to keep the slope measured
-        k = max(1, k)
-        self.choices.append(k)
-        self._pending = (k, now)
-        return k
-
-    def skip_timing(self) -> None:
-        """The round in flight is not a typical one (the MTP's first pass over the prompt): do not time it."""
-        self._pending = None
+        return self._start(max(1, k))
 
     def observe(self, drafted: int, accepted: int) -> None:
         for j in range(min(drafted, self.max_k)):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessorList,
     MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -23,6 +24,35 @@ from transformers.generation.logits_process import (
 )
 
 GRAPH_SAFE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def build_warpers(temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+            min_p: float | None = None) -> LogitsProcessorList:
+    """The warpers ``generate(do_sample=True, ...)`` builds for these settings, in transformers' order (the only
+    place this package builds a warper list; unset values add no warper)."""
+    out = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature!r}.")
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        out.append(TopKLogitsWarper(top_k=top_k))
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
+    if top_p is not None and top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p))
+    if min_p is not None:
+        out.append(MinPLogitsWarper(min_p=min_p))
+    return out
+
+
+def check_finite(probs: torch.Tensor, what: str) -> None:
+    """Raise if a distribution to sample from holds NaN or inf (one host read; eager paths only)."""
+    if not bool(torch.isfinite(probs).all()):
+        raise FloatingPointError(
+            f"{what} holds NaN or infinite values, so nothing can be sampled from it. The model's weights or inputs "
+            "are broken (a bad checkpoint, an fp16 overflow): check them, or load the model in bfloat16/float32."
+        )
 
 
 def graph_safe(logits_processor) -> bool:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import sampling
 from ..target.ragged import RaggedTargetForward
-from .stats import GenerationStats
+from . import round as rounds
+from . import sampling
+from .mtp_session import MtpSession
+from .stats import BatchGenerationStats, GenerationStats
 
 
 @dataclass
@@ -38,12 +40,17 @@ class SpeculativeOutput:
 
 def _prompts(input_ids, attention_mask) -> list[torch.Tensor]:
     if isinstance(input_ids, (list, tuple)):
-        out = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in input_ids]
+        if not len(input_ids):
+            raise ValueError("`input_ids` is an empty list: pass at least one prompt (a list of 1-D token id "
+                             "sequences, or a [batch, seq] tensor).")
         if attention_mask is not None:
             raise ValueError("`attention_mask` goes with a padded `input_ids` tensor, not with a list of prompts.")
+        out = [_token_ids(p, i) for i, p in enumerate(input_ids)]
     else:
-        if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must be [batch, seq] (or a list of 1-D prompts), got {tuple(input_ids.shape)}.")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be [batch, seq] (or a list of 1-D prompts), got "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}.")
+        _token_ids(input_ids, None)
         if attention_mask is None:
             return [row for row in input_ids]
         if attention_mask.shape != input_ids.shape:
@@ -60,8 +67,20 @@ def _prompts(input_ids, attention_mask) -> list[torch.Tensor]:
     return out
 
 
+def _token_ids(prompt, i) -> torch.Tensor:
+    """One prompt as a 1-D long tensor; floats (which would be truncated silently) are refused."""
+    t = torch.as_tensor(prompt)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{'`input_ids`' if i is None else f'prompt {i}'} must hold integer token ids, got {t.dtype}.")
+    return t.to(torch.long).reshape(-1) if i is not None else t
+
+
+_UNSET = object()
+
+
 def _eos_ids(target, eos_token_id) -> set[int]:
-    eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    """``eos_token_id`` as ``generate`` reads it: unset -> the target's generation config; None -> no EOS."""
+    eos = target.generation_config.eos_token_id if eos_token_id is _UNSET else eos_token_id
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple, set)) else [eos])}
@@ -69,48 +88,15 @@ def _eos_ids(target, eos_token_id) -> set[int]:
 
 def _head_logits(mtp, residual: torch.Tensor) -> torch.Tensor:
     """The MTP's draft logits for residual rows ``[B, 1, hc, D]`` -> ``[B, V]``."""
-    h = mtp.norm(mtp.hc_head(residual))
-    return mtp._lm_logits(h, mtp._require_bound().lm_head, draft_vocab=True)[:, -1]
-
-
-class _Sampler:
-    """The distribution ``generate(do_sample=True, temperature, top_k, top_p)`` samples from,
-    applied alike to draft and target logits (what makes speculative sampling exact)."""
-
-    def __init__(self, temperature, top_k, top_p, generator):
-        from transformers.generation.logits_process import (
-            LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-        )
-
-        self.warpers = LogitsProcessorList()
-        if temperature is not None and temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k is not None and top_k != 0:
-            self.warpers.append(TopKLogitsWarper(top_k))
-        if top_p is not None and top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
-        self.generator = generator
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[N, V]`` logits -> ``[N, V]`` probabilities."""
-        scores = logits.float()
-        if self.warpers:
-            scores = self.warpers(torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device), scores)
-        return scores.softmax(dim=-1)
-
-    def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-
-    def uniform(self, n: int, device) -> torch.Tensor:
-        return torch.rand(n, generator=self.generator, device=device)
+    return mtp.draft_logits(residual)[:, -1]
 
 
 class _Batch:
     """Per-sequence state of one :func:`speculative_generate` call."""
 
-    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler=None,
+    def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, warpers=None, generator=None,
                  target_attention="batched"):
-        self.target, self.mtp, self.k, self.sampler = target, mtp, k, sampler
+        self.target, self.mtp, self.k, self.warpers, self.generator = target, mtp, k, warpers, generator
         self.runner = RaggedTargetForward(target, attention=target_attention)
         self.device = mtp.e_proj.weight.device
         self.prompts = prompts
@@ -125,20 +111,29 @@ class _Batch:
         self.attention_backend = "reference" if mtp.config.attention_backend == "auto" else None
         self.mtp_rows = [0] * len(prompts)  # rows in the MTP cache (host copy of seq_lengths)
         self.done = [False] * len(prompts)
-        self.stats = [GenerationStats(k) for _ in prompts]
+        self.stats = BatchGenerationStats(GenerationStats(k) for _ in prompts)
         self.first_draft: dict[int, int] = {}  # the next round's first draft per sequence
-        self.first_q: dict[int, torch.Tensor] = {}  # (sampling) the distribution it was drawn from
+        self.first_q: dict[int, torch.Tensor] = {}  # (sampling) the processed logits it was drawn from
         self.draft_residual: dict[int, torch.Tensor] = {}  # the MTP residual it came from
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts from logits ``[N, V]``: ``(tokens [N], processed fp32 logits)`` -- greedy, or drawn from the
+        call's warped distribution (the ``q`` of speculative sampling)."""
+        logits = logits.float()
+        if self.warpers is None:
+            return logits.argmax(-1), logits
+        processed = sampling.warp(self.warpers, logits)
+        probs = processed.softmax(-1)
+        sampling.check_finite(probs, "The draft's distribution")
+        return sampling.draw(probs, self.generator), processed
 
     # -- the target's tokens --------------------------------------------------------------------
     def _accept(self, i: int, tokens: list[int]) -> None:
-        for t in tokens:
-            if self.done[i]:
-                break
-            self.tokens[i].append(t)
-            self.new[i].append(t)
-            if t in self.eos or len(self.new[i]) >= self.max_new:
-                self._finish(i)
+        tokens = rounds.cut(tokens, self.eos, self.max_new - len(self.new[i]))
+        self.tokens[i] += tokens
+        self.new[i] += tokens
+        if tokens and (tokens[-1] in self.eos or len(self.new[i]) >= self.max_new):
+            self._finish(i)
 
     def _finish(self, i: int) -> None:
         self.done[i] = True
@@ -149,7 +144,6 @@ class _Batch:
         self.first_draft.pop(i, None)
         self.first_q.pop(i, None)
         self.draft_residual.pop(i, None)
-
     # -- the MTP's rows -------------------------------------------------------------------------
     def catch_up(self, seqs: list[int], residuals: list[torch.Tensor]) -> None:
         """MTP rows ``mtp_rows[i] ..`` from the target's residual rows ``residuals[i]`` and the
@@ -180,24 +174,19 @@ class _Batch:
         for j, i in enumerate(seqs):
             self.mtp_rows[i] += counts[j]
         residual = torch.stack(last).unsqueeze(1)  # [S, 1, hc, D]
-        logits = _head_logits(self.mtp, residual)
-        if self.sampler is None:
-            drafts = logits.float().argmax(-1).tolist()
-        else:
-            q = self.sampler.probs(logits)
-            drafts = self.sampler.sample(q).tolist()
+        drafts, q = self.choose(_head_logits(self.mtp, residual))
+        drafts = drafts.tolist()
         for j, i in enumerate(seqs):
             self.first_draft[i] = drafts[j]
             self.draft_residual[i] = residual[j]
-            if self.sampler is not None:
-                self.first_q[i] = q[j]
+            self.first_q[i] = q[j]
 
     def draft(self, seqs: list[int], budgets: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         """Up to ``budgets[j]`` drafts per sequence: the first from the catch-up, the rest from
         batched MTP steps on the MTP's own residual (rows rolled back next round).  Greedy, or
         sampled from the processed MTP distribution, which is returned alongside (sampling)."""
         drafts = [[self.first_draft[i]] if budgets[j] else [] for j, i in enumerate(seqs)]
-        dists = [[self.first_q[i]] if budgets[j] and self.sampler is not None else [] for j, i in enumerate(seqs)]
+        dists = [[self.first_q[i]] if budgets[j] else [] for j, i in enumerate(seqs)]
         steps = max(budgets) - 1
         step_q = []
         if steps > 0:
@@ -211,12 +200,9 @@ class _Batch:
                 with self.mcache.ragged(rows=rows):
                     out = self.mtp(tok, res, position_ids=pos, past_key_values=self.mcache, draft_vocab=True,
                                    attention_backend=self.attention_backend)
-                if self.sampler is None:
-                    tok = out.logits[:, -1].float().argmax(-1, keepdim=True)
-                else:
-                    q = self.sampler.probs(out.logits[:, -1])
-                    tok = self.sampler.sample(q).unsqueeze(-1)
-                    step_q.append(q)
+                tok, q = self.choose(out.logits[:, -1])
+                tok = tok.unsqueeze(-1)
+                step_q.append(q)
                 res = out.residual[:, -1:]
                 steps_out.append(tok)
             more = torch.cat(steps_out, dim=1).tolist()  # one host read per round
@@ -227,29 +213,34 @@ class _Batch:
                     drafts[j] += more[r][: budgets[j] - 1]
                     dists[j] += [q[r] for q in step_q[: budgets[j] - 1]]
         for d, q in zip(drafts, dists):  # nothing after an EOS is worth verifying
-            cut = next((n + 1 for n, t in enumerate(d) if t in self.eos), len(d))
-            del d[cut:]
-            del q[cut:]
+            keep = len(rounds.cut(d, self.eos, len(d)))
+            del d[keep:]
+            del q[keep:]
         return drafts, dists
 
     def rollback_mtp(self, seqs: list[int]) -> None:
         lengths = self.mcache.seq_lengths.clone()
         for i in seqs:
             lengths[i] = self.mtp_rows[i]
-        self.mcache.crop(lengths)
+        self.mcache.truncate(lengths)
 
-
-def _verify_sampled(sampler: _Sampler, drafts: list[int], q: list[torch.Tensor], p: torch.Tensor) -> tuple[int, int]:
-    """Speculative sampling of one sequence's round (:func:`.sampling.speculative_accept`): ``p [k+1, V]`` the
-    target's processed distributions at the verified rows, ``q[n]`` the draft's at draft ``n``.  Returns the
-    accepted count and the token the target adds (a resample after a rejection, else a sample of the row after
-    the last draft), in one host read."""
-    k = len(drafts)
-    qs = torch.stack(q).to(p.device) if k else p.new_zeros(0, p.shape[-1])
-    n, selected = sampling.speculative_accept(torch.tensor([drafts], dtype=torch.long, device=p.device), qs[None],
-                                              p[None], sampler.generator)
-    n, *selected = torch.cat([n, selected[0]]).tolist()
-    return n, selected[n]
+    def verify(self, seqs: list[int], drafts: list[list[int]], dists, logits: torch.Tensor, offsets):
+        """Each sequence's acceptance (:func:`.round.accept`, greedy or speculative sampling) of its drafts against
+        the target's logits at its verified rows: ``[(accepted, tokens kept)]``, in one host read."""
+        results = []
+        for j, d in enumerate(drafts):
+            rows = logits[offsets[j] : offsets[j + 1]][None]
+            drafted = torch.tensor([d], dtype=torch.long, device=rows.device)
+            q = torch.stack(dists[j])[None] if d and self.warpers is not None else None
+            accepted, selected = rounds.accept(drafted, rows, q, self.warpers, self.generator)
+            results.append(torch.cat([accepted.view(1), selected[0]]))
+        read = torch.cat(results).tolist()
+        out, at = [], 0
+        for d in drafts:
+            a, selected = read[at], read[at + 1 : at + 2 + len(d)]
+            out.append((a, selected[: a + 1]))
+            at += 2 + len(d)
+        return out
 
 
 @torch.no_grad()
@@ -260,13 +251,14 @@ def speculative_generate(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int = 128,
-    num_draft_tokens: int | None = None,
-    eos_token_id: int | list[int] | None = None,
+    num_assistant_tokens: int | None = None,
+    eos_token_id=_UNSET,
     pad_token_id: int | None = None,
     do_sample: bool = False,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     generator: torch.Generator | None = None,
     prefill_tokens: int = 8192,
     prefill_chunk: int = 2048,
@@ -275,38 +267,40 @@ def speculative_generate(
     """Speculative decoding of a batch with the MTP as the draft.
 
     ``input_ids``: a ``[B, S]`` tensor (with ``attention_mask`` for left or right padding)
-    or a list of 1-D prompts.  Greedy: every sequence gets exactly the tokens
-    ``target.generate(prompt, max_new_tokens=...)`` gives it alone.  ``do_sample=True``:
-    speculative sampling (drafts drawn from the MTP's processed distribution, accepted with
-    probability ``min(1, p/q)``, a rejection resampled from ``max(p - q, 0)``), so each
-    sequence is distributed as ``generate(prompt, do_sample=True, temperature=, top_k=,
-    top_p=)`` -- unset values come from ``target.generation_config`` as in ``generate``;
-    ``generator`` (on the MTP's device) makes a run reproducible.  ``num_draft_tokens``
-    (default ``mtp.generation_config.num_assistant_tokens``) drafts per round;
-    ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
-    ``target_attention``: ``"batched"`` runs the target's attention once per layer for all
-    sequences (:mod:`~.batched_attention`); ``"per_sequence"`` once per sequence through
-    transformers' own attention and cache (the reference it is tested against).
+    or a list of 1-D prompts.  Greedy: every sequence gets the tokens
+    ``target.generate(prompt, max_new_tokens=...)`` gives it alone (up to float summation order, which
+    can flip a near-tie).  ``do_sample=True``: speculative sampling (drafts drawn from the MTP's processed
+    distribution, accepted with probability ``min(1, p/q)``, a rejection resampled from ``max(p - q, 0)``),
+    so each sequence is distributed as ``generate(prompt, do_sample=True, temperature=, top_k=, top_p=,
+    min_p=)`` -- unset values come from ``target.generation_config`` as in ``generate``; ``generator`` (on
+    the MTP's device) makes a run reproducible.  ``eos_token_id``: unset, the target's; None, no EOS (as
+    ``generate``).  ``num_assistant_tokens`` (default ``mtp.generation_config.num_assistant_tokens``)
+    drafts per round; ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
+    ``target_attention``: ``"batched"`` runs the target's attention once per layer for all sequences
+    (:mod:`~dsv4_mtp_hf.target.batched_state`); ``"per_sequence"`` once per sequence through transformers'
+    own attention and cache (the reference it is tested against).  ``mtp.last_generation_stats`` holds the
+    per-sequence statistics afterwards.
     """
-    sampler = None
+    warpers = None
     if do_sample:
         gc = target.generation_config
-        temperature = gc.temperature if temperature is None else temperature
-        top_k = gc.top_k if top_k is None else top_k
-        top_p = gc.top_p if top_p is None else top_p
-        if temperature is not None and not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature!r}.")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {top_p!r}.")
-        sampler = _Sampler(temperature, top_k, top_p, generator)
-    if mtp.target_model is not target:
+        warpers = sampling.build_warpers(*(v if v is not None else getattr(gc, n) for n, v in (
+            ("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))))
+    return _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_assistant_tokens,
+                         _eos_ids(target, eos_token_id), pad_token_id, warpers, generator, prefill_tokens,
+                         prefill_chunk, target_attention)
+
+
+def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_assistant_tokens, eos, pad_token_id,
+                  warpers, generator, prefill_tokens, prefill_chunk, target_attention) -> SpeculativeOutput:
+    """:func:`speculative_generate` with its settings resolved (``warpers``: None for greedy)."""
+    if getattr(mtp, "target_model", None) is not target:
         raise ValueError("the MTP is not bound to this target: call `mtp.bind(target)` first.")
-    k = mtp.generation_config.num_assistant_tokens if num_draft_tokens is None else num_draft_tokens
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"`num_draft_tokens` must be an integer >= 1, got {k!r}.")
-    if k - 1 > mtp.config.max_draft_tokens:
-        raise ValueError(f"`num_draft_tokens`={k} exceeds what the MTP cache rolls back "
-                         f"(config.max_draft_tokens={mtp.config.max_draft_tokens}); raise `mtp.config.max_draft_tokens`.")
+    value = mtp.generation_config.num_assistant_tokens if num_assistant_tokens is None else num_assistant_tokens
+    if value == rounds.AUTO:
+        raise ValueError("batches draft a fixed number of tokens per round: pass `num_assistant_tokens` as an int.")
+    k, _ = rounds.resolve_num_drafts(value, MtpSession.max_drafts(mtp), MtpSession.auto_num_drafts(mtp),
+                                  MtpSession.limit_hint)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be an integer >= 1, got {max_new_tokens!r}.")
     prompts = _prompts(input_ids, attention_mask)
@@ -314,10 +308,17 @@ def speculative_generate(
     for i, p in enumerate(prompts):
         if int(p.min()) < 0 or int(p.max()) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}).")
-    eos = _eos_ids(target, eos_token_id)
-    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, sampler, target_attention)
+    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, warpers, generator, target_attention)
+    mtp.last_generation_stats = st.stats
+    for group in _prefill_groups(prompts, prefill_tokens):
+        _prefill(st, group)
+    while not all(st.done):
+        _round(st)
+    return _output(st, input_ids, prompts, pad_token_id, target)
 
-    # Prefill, in groups of at most `prefill_tokens` prompt tokens (one prompt may exceed it).
+
+def _prefill_groups(prompts, prefill_tokens: int) -> list[list[int]]:
+    """Prompts in groups of at most ``prefill_tokens`` tokens per target forward (one prompt may exceed it)."""
     groups, cur, size = [], [], 0
     for i, p in enumerate(prompts):
         if cur and size + p.numel() > prefill_tokens:
@@ -326,60 +327,53 @@ def speculative_generate(
         cur.append(i)
         size += p.numel()
     groups.append(cur)
-    for group in groups:
-        chunks = [prompts[i] for i in group]
-        lens = torch.tensor([c.numel() for c in chunks])
-        last_rows = lens.cumsum(0) - 1
-        logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in group], logit_rows=last_rows)
-        first = (logits.float().argmax(-1) if sampler is None else sampler.sample(sampler.probs(logits))).tolist()
-        for j, i in enumerate(group):
-            st._accept(i, [first[j]])
-            st.stats[i].record_round(0, 0, 1)  # the prefill's token: no drafts yet
-        live = [j for j, i in enumerate(group) if not st.done[i]]
-        if live:
-            st.catch_up([group[j] for j in live], [residual[offsets[j] : offsets[j + 1]] for j in live])
+    return groups
 
-    while not all(st.done):
-        seqs = [i for i, d in enumerate(st.done) if not d]
-        # k drafts per sequence, fewer near max_new_tokens (the round also adds the target's token).
-        budgets = [min(k, st.max_new - len(st.new[i]) - 1) for i in seqs]
-        drafts, dists = st.draft(seqs, budgets)
-        chunks = [torch.tensor([st.tokens[i][-1]] + d) for i, d in zip(seqs, drafts)]
-        logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in seqs])
-        greedy = logits.float().argmax(-1).tolist() if sampler is None else None
-        p_all = sampler.probs(logits) if sampler is not None else None
-        st.rollback_mtp(seqs)  # drop the draft rows; the verified ones are recomputed below
-        caught, caught_res = [], []
-        for j, i in enumerate(seqs):
-            d = drafts[j]
-            if sampler is None:
-                g = greedy[offsets[j] : offsets[j + 1]]
-                a = next((n for n, t in enumerate(d) if t != g[n]), len(d))
-                tokens = d[:a] + [g[a]]
-            else:
-                a, last = _verify_sampled(sampler, d, dists[j], p_all[offsets[j] : offsets[j + 1]])
-                tokens = d[:a] + [last]
-            before = len(st.new[i])
-            st._accept(i, tokens)
-            st.stats[i].record_round(len(d), a, len(st.new[i]) - before)
-            if st.done[i]:
-                continue
-            st.caches[i].crop(len(st.tokens[i]) - 1)  # the target has processed all but the last token
-            caught.append(i)
-            caught_res.append(residual[offsets[j] : offsets[j] + a + 1])
-        if caught:
-            st.catch_up(caught, caught_res)
 
+def _prefill(st: _Batch, group: list[int]) -> None:
+    chunks = [st.prompts[i] for i in group]
+    last_rows = torch.tensor([c.numel() for c in chunks]).cumsum(0) - 1
+    logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in group], logit_rows=last_rows)
+    first = st.choose(logits)[0].tolist()
+    for j, i in enumerate(group):
+        st._accept(i, [first[j]])
+        st.stats[i].record_round(0, 0, 1)  # the prefill's token: no drafts yet
+    live = [j for j, i in enumerate(group) if not st.done[i]]
+    if live:
+        st.catch_up([group[j] for j in live], [residual[offsets[j] : offsets[j + 1]] for j in live])
+
+
+def _round(st: _Batch) -> None:
+    """One round for every unfinished sequence: drafts, one ragged verify, per-sequence acceptance and rollback."""
+    seqs = [i for i, d in enumerate(st.done) if not d]
+    # k drafts per sequence, fewer near max_new_tokens (the round also adds the target's token).
+    budgets = [min(st.k, st.max_new - len(st.new[i]) - 1) for i in seqs]
+    drafts, dists = st.draft(seqs, budgets)
+    chunks = [torch.tensor([st.tokens[i][-1]] + d) for i, d in zip(seqs, drafts)]
+    logits, residual, offsets = st.runner(chunks, [st.caches[i] for i in seqs])
+    st.rollback_mtp(seqs)  # drop the draft rows; the verified ones are recomputed below
+    caught, caught_res = [], []
+    for j, (i, (a, tokens)) in enumerate(zip(seqs, st.verify(seqs, drafts, dists, logits, offsets))):
+        before = len(st.new[i])
+        st._accept(i, tokens)
+        st.stats[i].record_round(len(drafts[j]), a, len(st.new[i]) - before)
+        if st.done[i]:
+            continue
+        st.caches[i].crop(len(st.tokens[i]) - 1)  # the target has processed all but the last token
+        caught.append(i)
+        caught_res.append(residual[offsets[j] : offsets[j] + a + 1])
+    if caught:
+        st.catch_up(caught, caught_res)
+
+
+def _output(st: _Batch, input_ids, prompts, pad_token_id, target) -> SpeculativeOutput:
     pad = pad_token_id
     if pad is None:
         pad = target.generation_config.pad_token_id
     if pad is None:
-        pad = min(eos) if eos else 0
+        pad = min(st.eos) if st.eos else 0
     new = [torch.tensor(n, dtype=torch.long) for n in st.new]
-    if isinstance(input_ids, torch.Tensor):
-        heads = list(input_ids.cpu())
-    else:
-        heads = [p.cpu() for p in prompts]
+    heads = list(input_ids.cpu()) if isinstance(input_ids, torch.Tensor) else [p.cpu() for p in prompts]
     rows = [torch.cat([h, n]) for h, n in zip(heads, new)]
     width = max(r.numel() for r in rows)
     sequences = torch.full((len(rows), width), int(pad), dtype=torch.long)
@@ -388,38 +382,45 @@ def speculative_generate(
     return SpeculativeOutput(sequences=sequences, new_tokens=new, stats=st.stats)
 
 
-_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
-_STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
-
-
 def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                 streamer=None, mtp=None, num_draft_tokens: int | None = None, target_attention: str = "batched",
-                 **model_kwargs):
+                 streamer=None, mtp=None, target_attention: str = "batched", **model_kwargs):
     """:func:`speculative_generate` as transformers' decoding loop, for
     ``target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, ...)``.
 
-    ``generate`` prepares the inputs and the generation config (``max_new_tokens``, EOS,
-    padding, ``do_sample``/``temperature``/``top_k``/``top_p``) and hands them here; the
-    result has ``generate``'s layout: the (padded) prompt rows, then each sequence's new
-    tokens, padded with ``pad_token_id``.  Other logits processors, stopping criteria,
-    streamers and dict outputs are not supported and raise."""
+    ``generate`` prepares the inputs and the generation config (``max_new_tokens``, EOS, padding,
+    ``num_assistant_tokens``, ``do_sample`` and its warpers) and hands them here; the result has
+    ``generate``'s layout: the (padded) prompt rows, then each sequence's new tokens, padded with
+    ``pad_token_id``.  Processors other than temperature/top-k/top-p/min-p, stopping criteria other than
+    EOS and length, streamers and dict outputs raise.  ``mtp.last_generation_stats``: per sequence."""
     if mtp is None:
         raise ValueError("pass the draft: `generate(..., custom_generate=mtp_decoding, mtp=mtp)`.")
-    extra = [type(p).__name__ for p in logits_processor if type(p).__name__ not in _WARPERS]
-    if extra:
-        raise ValueError(f"MTP batched decoding applies temperature/top-k/top-p only; remove {extra} "
-                         "(or use `generate(assistant_model=mtp)` one sequence at a time).")
+    if not sampling.graph_safe(logits_processor) or (logits_processor and not generation_config.do_sample):
+        extra = [type(p).__name__ for p in logits_processor if type(p) not in sampling.GRAPH_SAFE_WARPERS or
+                 not generation_config.do_sample]
+        raise ValueError(f"MTP batched decoding applies the sampling warpers temperature/top-k/top-p/min-p only; "
+                         f"remove {extra} (or use `generate(assistant_model=mtp)` one sequence at a time).")
     extra = [type(c).__name__ for c in stopping_criteria if type(c).__name__ not in _STOPPERS]
     if extra:
         raise ValueError(f"MTP batched decoding stops at EOS and max length only; remove {extra}.")
     if streamer is not None or synced_gpus or generation_config.return_dict_in_generate:
         raise ValueError("MTP batched decoding supports no streamer, synced_gpus or return_dict_in_generate.")
-    eos = generation_config.eos_token_id
-    out = speculative_generate(
-        model, mtp, input_ids, attention_mask=model_kwargs.get("attention_mask"),
-        max_new_tokens=generation_config.max_length - input_ids.shape[1], num_draft_tokens=num_draft_tokens,
-        eos_token_id=[] if eos is None else eos, pad_token_id=generation_config.pad_token_id,
-        do_sample=bool(generation_config.do_sample), temperature=generation_config.temperature,
-        top_k=generation_config.top_k, top_p=generation_config.top_p, target_attention=target_attention,
-    )
+    out = _decode_batch(
+        model, mtp, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1],
+        _passed_num_assistant_tokens(model, generation_config), _eos_ids(model, generation_config.eos_token_id),
+        generation_config.pad_token_id, logits_processor if generation_config.do_sample else None, None, 8192, 2048,
+        target_attention)
     return out.sequences.to(input_ids.device)
+
+
+_STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
+
+
+def _passed_num_assistant_tokens(model, generation_config):
+    """``num_assistant_tokens`` as given to ``generate`` (or set on the target's generation config), else None: the
+    drafter's own.  ``generate`` fills an unset value with transformers' global default (20), which is no choice
+    of the drafter's and may exceed what it rolls back."""
+    value = generation_config.num_assistant_tokens
+    if model.generation_config.num_assistant_tokens is None and \
+            value == model.generation_config._get_default_generation_params().get("num_assistant_tokens"):
+        return None
+    return value

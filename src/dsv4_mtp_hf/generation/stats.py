@@ -47,6 +47,12 @@ class GenerationStats:
         """Tokens gained per verify round, the target's bonus token included."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_verified_length(self) -> float:
+        """Drafts sent to the target per verify round (with ``auto``, DSpark's confidence cut, or an EOS/length
+        cut, below ``num_assistant_tokens``)."""
+        return self.drafted / self.rounds if self.rounds else 0.0
+
     def as_dict(self) -> dict:
         return {
             "num_assistant_tokens": "auto" if self.auto else self.num_assistant_tokens,
@@ -59,6 +65,7 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
             "mean_accepted_length": self.mean_accepted_length,
+            "mean_verified_length": self.mean_verified_length,
         }
 
     def __str__(self) -> str:
@@ -67,3 +74,28 @@ class GenerationStats:
             f"rounds={self.rounds} drafted={self.drafted} accepted={self.accepted} "
             f"mean_accepted_length={self.mean_accepted_length:.2f} acceptance_by_position=[{by_pos}]"
         )
+
+
+class BatchGenerationStats(list):
+    """Per-sequence :class:`GenerationStats` of a batched call (a list), with the batch's totals."""
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self)
+
+    @property
+    def rounds(self) -> int:
+        return sum(s.rounds for s in self)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify round over all sequences, the target's token included."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0

@@ -1,4 +1,4 @@
-"""The MTP layer's attention: shared-KV MQA over a sliding window, with sinks (SPEC §4)."""
+"""The MTP layer's attention: shared-KV MQA over a sliding window, with sinks (design §2)."""
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class MtpAttention(nn.Module):
 
     def attention_backend(self, dtype: torch.dtype, device: torch.device, rows: int, cache,
                           needs_grad: bool = False, requested: str | None = None) -> str:
-        """``"flashinfer"`` or ``"reference"`` for a call of ``rows`` query rows (SPEC §8):
+        """``"flashinfer"`` or ``"reference"`` for a call of ``rows`` query rows (design §8):
         ``requested`` (default ``config.attention_backend``) "auto" picks FlashInfer where it runs,
         "flashinfer" raises where it does not."""
         return select_attention_backend(requested or self.config.attention_backend, dtype, device, self.head_dim,
@@ -70,7 +70,7 @@ class MtpAttention(nn.Module):
 
     def new_flashinfer_plans(self, cache, steps: int, attention_backend: str | None = None) -> FlashInferWindowPlans | None:
         """Graph-safe FlashInfer plans for ``steps`` chained one-row steps on ``cache`` (what
-        :class:`~dsv4_mtp_hf.generation.cuda_graph.GraphedDrafter` owns and passes to each call);
+        :class:`~dsv4_mtp_hf.generation.mtp_graph.GraphedDrafter` owns and passes to each call);
         None when such a step runs on the reference attention."""
         w = self.q_b_proj.weight
         if self.attention_backend(w.dtype, w.device, cache.batch_size, cache, requested=attention_backend) != "flashinfer":
@@ -85,26 +85,41 @@ class MtpAttention(nn.Module):
                                                                 q.dtype, q.device)
         return self._flashinfer_plans[key]
 
+    def key_value(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The one K=V head of rows ``h [B, S, D]`` at their positions' ``cos``/``sin``: ``RoPE(kv_norm(wkv h))``
+        (with DeepSeek's FP8 round trip of the non-RoPE channels when ``kv_fp8_roundtrip``)."""
+        return self._key_value(project(h, self.kv_proj), cos, sin)
+
+    def _key_value(self, kv, cos, sin):
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
+        if self.kv_fp8_roundtrip:
+            kv = torch.cat([fp8_roundtrip(kv[..., : -self.rope_dim]), kv[..., -self.rope_dim :]], dim=-1)
+        return kv
+
     def forward(self, h, cos, sin, positions, cache=None, attention_backend: str | None = None,
-                attention_plans: FlashInferWindowPlans | None = None):
+                attention_plans: FlashInferWindowPlans | None = None, visible=None):
         """h ``[B, S, D]``; cos/sin ``[B, S, rope/2]`` at ``positions [B, S]``; ``cache`` an MTP cache
         or None.  ``attention_backend`` overrides ``config.attention_backend`` for this call;
         ``attention_plans``: the caller's FlashInfer plans (a drafter's per-step plans), else the
-        layer plans each FlashInfer call itself."""
+        layer plans each FlashInfer call itself.  ``visible``: ``(mask_positions [B, S], window)`` when the
+        keys a row sees are not the causal window at its own position: row r sees the keys at
+        ``(mask_positions[r] - window, mask_positions[r]]`` (DSpark's block: every row sees the context
+        window and the whole block); runs the reference kernel path."""
         b, s, _ = h.shape
         q_lat, kv = project(h, self.q_a_proj, self.kv_proj)  # one launch on CUDA for a few rows
         q = project(self.q_a_norm(q_lat), self.q_b_proj).view(b, s, self.num_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = apply_rope(self.kv_norm(kv), cos, sin)
-        if self.kv_fp8_roundtrip:
-            kv = torch.cat([fp8_roundtrip(kv[..., : -self.rope_dim]), kv[..., -self.rope_dim :]], dim=-1)
+        kv = self._key_value(kv, cos, sin)
         if cache is not None:
             kv, kv_positions = cache.update(kv)
             kv_positions = kv_positions.expand(b, -1)  # [L] (shared lengths) or [B, L] (paged)
         else:
             kv_positions = positions
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-        if self.attention_backend(q.dtype, q.device, b * s, cache, needs_grad, attention_backend) == "flashinfer":
+        if visible is not None:
+            mask_positions, window = visible
+            o = sliding_window_attention(q, kv, mask_positions, kv_positions, self.sinks, window, self.scale)
+        elif self.attention_backend(q.dtype, q.device, b * s, cache, needs_grad, attention_backend) == "flashinfer":
             # the paged cache's keys: W-1 held columns, then the S new ones at kv_positions[:, -s] onward
             plans = attention_plans if attention_plans is not None else self._dynamic_plans(q)
             o = sliding_window_attention_flashinfer(q, kv, kv_positions[:, -s], self.sinks, plans)

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), SPEC §3.  All mixing math in fp32.
+"""Manifold-constrained hyper-connections (mHC), design §2.  All mixing math in fp32.
 
 The residual is ``hc_mult`` parallel streams ``[..., n, D]``.  Before a sub-block the
 streams are collapsed with ``pre`` weights; after it the branch output is expanded

@@ -1,5 +1,5 @@
 """Dense projections of the MTP: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear``
-on CUDA for a draft step's few rows (SPEC §8; ``ops/skinny_linear.py``).
+on CUDA for a draft step's few rows (design §8; ``ops/skinny_linear.py``).
 
 :func:`project` takes one or two bias-free ``nn.Linear`` that read the same input.  Modules
 that are not plain ``nn.Linear`` (hooks, adapters, quantised layers) are called as they are.

@@ -1,4 +1,4 @@
-"""The MTP layer's MoE (SPEC §5): sqrtsoftplus router, packed FP4 routed experts, one
+"""The MTP layer's MoE (design §2): sqrtsoftplus router, packed FP4 routed experts, one
 shared expert.  Hash routing exists only in the target's first layers, never here."""
 
 import torch

@@ -1,4 +1,4 @@
-"""Interleaved partial RoPE on the LAST `rope_dim` channels (SPEC §4).
+"""Interleaved partial RoPE on the LAST `rope_dim` channels (design §2).
 
 Channel pairs (2i, 2i+1) of the rope slice form one complex number rotated by
 `position * theta**(-2i/rope_dim)`.  The MTP layer is sliding-window only, so it

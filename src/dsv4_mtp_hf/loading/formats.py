@@ -1,4 +1,4 @@
-"""Decoding the tensor formats of DeepSeek-V4 releases (SPEC §6).
+"""Decoding the tensor formats of DeepSeek-V4 releases (design §1).
 
 * FP8 e4m3 weights with one scale per 128x128 block (``<module>.scale``, E8M0 in the
   native release; float scales are accepted too).  Partial edge blocks are allowed:

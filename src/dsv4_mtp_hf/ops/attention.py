@@ -1,4 +1,4 @@
-"""Sliding-window shared-KV attention with sinks: the reference math (SPEC §4), and the
+"""Sliding-window shared-KV attention with sinks: the reference math (design §2), and the
 ``dsv4_mtp::window_attention`` op that runs it.
 
 One KV head serves as both key and value for every query head (MQA).  A query at

@@ -1,4 +1,4 @@
-"""Sliding-window sink attention on FlashInfer's MLA kernels (SPEC §4, §8).
+"""Sliding-window sink attention on FlashInfer's MLA kernels (design §2, §8).
 
 The MTP layer's attention is MQA with one 512-dim KV head used as both key and value:
 FlashInfer's ``BatchMLAPagedAttentionWrapper`` computes exactly that with the whole head as
@@ -6,7 +6,7 @@ the compressed KV (``head_dim_ckv=512``) and no separate RoPE part (``head_dim_k
 runs on the fa3 and fa2 kernels).  What the kernels lack, we add around them:
 
 * **Window.**  The MTP cache hands the attention its keys as ``kv [B, L, d]``: held keys in
-  position order, then the ``S`` new rows (SPEC §4; :meth:`PagedMtpKVCache.update`).  With
+  position order, then the ``S`` new rows (design §2; :meth:`PagedMtpKVCache.update`).  With
   ``page_size=1`` each query row becomes its own request whose page list is the slots of
   its window -- ``min(window, position + 1)`` keys ending at its own -- so the mask is in
   the metadata and the kernel attends to nothing else.  Keys carry their RoPE, so the order

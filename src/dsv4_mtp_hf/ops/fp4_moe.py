@@ -112,5 +112,15 @@ def register_cuda_kernels() -> bool:
     """Register the Triton kernels behind ``dsv4_mtp::fp4_moe`` (on import when CUDA is present)."""
     return register_triton_kernels("fp4_moe_triton", "dsv4_mtp::fp4_moe")
 
+
+def graph_capturable(hidden: int, intermediate: int, device: torch.device) -> bool:
+    """Whether ``dsv4_mtp::fp4_moe`` runs a host-sync-free kernel for these sizes on ``device`` (what a CUDA graph
+    can capture); the reference math synchronises with the host.  Asked by callers that choose to capture."""
+    if device.type != "cuda" or not register_cuda_kernels():
+        return False
+    from .triton.fp4_moe_triton import kernel_supports
+
+    return kernel_supports(hidden, intermediate)
+
 if torch.cuda.is_available():
     register_cuda_kernels()

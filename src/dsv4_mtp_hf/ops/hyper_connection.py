@@ -1,4 +1,4 @@
-"""``dsv4_mtp::hc_pre`` and ``dsv4_mtp::hc_head`` -- the mHC stream collapses (SPEC §3).
+"""``dsv4_mtp::hc_pre`` and ``dsv4_mtp::hc_head`` -- the mHC stream collapses (design §2).
 
 Per token, ``hc_pre`` is: an RMS factor of the flattened streams, 24 mixes (a
 ``[24, n*D]`` fp32 GEMV), sigmoids for ``pre``/``post``, a 4x4 Sinkhorn for ``comb`` and

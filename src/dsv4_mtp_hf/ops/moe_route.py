@@ -1,4 +1,4 @@
-"""``dsv4_mtp::moe_route`` -- the MTP MoE's score routing (SPEC §5).
+"""``dsv4_mtp::moe_route`` -- the MTP MoE's score routing (design §2).
 
 ``s = sqrt(softplus(W_g h))`` in fp32, top-k of ``s + bias`` (the bias only selects), weights =
 ``s`` at the chosen experts, renormalised, times the routed scaling factor.  As PyTorch ops

@@ -1,4 +1,4 @@
-"""``dsv4_mtp::sinkhorn`` -- the mHC comb matrix: row softmax, then Sinkhorn-Knopp (SPEC §3).
+"""``dsv4_mtp::sinkhorn`` -- the mHC comb matrix: row softmax, then Sinkhorn-Knopp (design §2).
 
 Per token it is a 4x4 problem iterated 20 times: as PyTorch ops that is ~80 tiny kernels
 per sub-block, which dominate a CUDA-graph draft step's launch count.  The CUDA

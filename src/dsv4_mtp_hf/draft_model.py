@@ -1,0 +1,152 @@
+"""What every DeepSeek-V4 drafter model shares: the target's embedding and lm head used by reference, binding
+to the target, weight initialisation of the V4 draft layers, and the refusal to ``generate`` alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+
+from .layers.attention import GroupedOutputProjection, MtpAttention
+from .layers.hyper_connection import HyperConnection, HyperHead
+from .layers.moe import FP4Experts, Router
+from .layers.norms import RMSNorm
+
+
+class SharedTargetModules:
+    """Plain holder (not an nn.Module) so the target's embedding and head are used by reference without
+    being registered as a drafter's submodules or saved with its weights."""
+
+    def __init__(self, target, embed_tokens=None, lm_head=None):
+        self.target = target
+        self.embed_tokens = target.get_input_embeddings() if target is not None else embed_tokens
+        self.lm_head = target.get_output_embeddings() if target is not None else lm_head
+
+
+class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
+    """Base of the V4 drafters: bind it to a transformers ``DeepseekV4ForCausalLM`` (``target_model=`` at
+    construction or in ``from_pretrained``, or :meth:`bind`), then ``target.generate(ids, assistant_model=...)``."""
+
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DeepseekV4DraftBlock"]
+    _supports_attention_backend = False
+    _keep_in_fp32_modules_strict = [
+        "attn_hc", "ffn_hc", "hc_head", "sinks", "e_score_correction_bias", "q_a_norm", "kv_norm",
+        "input_layernorm", "post_attention_layernorm", "norm", "enorm", "hnorm", "main_norm",
+    ]
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, GroupedOutputProjection, Router)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, Router):
+                init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, MtpAttention):
+            init.zeros_(module.sinks)
+        elif isinstance(module, HyperConnection):
+            init.normal_(module.fn, mean=0.0, std=std)
+            init.zeros_(module.base)
+            init.ones_(module.scale)
+        elif isinstance(module, HyperHead):
+            init.normal_(module.hc_fn, mean=0.0, std=std)
+            init.zeros_(module.hc_base)
+            init.ones_(module.hc_scale)
+        elif isinstance(module, FP4Experts):
+            _init_fp4_experts(module, std)
+
+    # -- binding to the target -----------------------------------------------------------------
+    def _init_binding(self, target_model) -> None:
+        self._shared: SharedTargetModules | None = None
+        self.last_generation_stats = None  # GenerationStats of the last assisted generate call
+        if target_model is not None:
+            self.bind(target_model)
+
+    def use_shared_modules(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        """Run without a target on these copies of its embedding and lm head (a release's ``embed.weight`` /
+        ``head.weight``); :meth:`bind` replaces them by the target's own.  They are never saved with the drafter."""
+        if self._shared is not None and self._shared.target is not None:
+            raise ValueError("this drafter is bound to a target; unbind() it first.")
+        self._shared = SharedTargetModules(None, embed_tokens, lm_head)
+
+    @property
+    def target_model(self):
+        return None if self._shared is None else self._shared.target
+
+    @property
+    def is_bound(self) -> bool:
+        return self._shared is not None and self._shared.target is not None
+
+    def check_target(self, target) -> None:
+        """Raise if ``target`` cannot serve as this drafter's target."""
+        name = type(self).__name__
+        config = getattr(target, "config", None)
+        if config is None or getattr(config, "model_type", None) != "deepseek_v4":
+            raise TypeError(f"{name} drafts for a DeepSeek-V4 target (transformers `DeepseekV4ForCausalLM`), got "
+                            f"{type(target).__name__} with model_type {getattr(config, 'model_type', None)!r}.")
+        mismatches = self.config.binding_mismatches(config)
+        if mismatches:
+            raise ValueError(f"This {name} does not match the target model: " + "; ".join(mismatches)
+                             + ". Load the drafter from the same DeepSeek-V4 release as the target.")
+        head = target.get_output_embeddings()
+        if head is None or head.weight.shape != (config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"The target has no lm head of shape [vocab_size, hidden_size] to share with {name}.")
+
+    def bind(self, target):
+        """Share ``target``'s embedding and lm head and make ``target.generate(assistant_model=self)`` work."""
+        self.check_target(target)
+        if self._shared is not None and self._shared.target is not None and self._shared.target is not target:
+            self.unbind()
+        from .generation.binding import attach  # lazy: generation builds on the model, not the reverse
+        from .target.dtypes import norms_to_compute_dtype
+
+        norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
+        self._shared = SharedTargetModules(target)
+        attach(self, target)
+        return self
+
+    def unbind(self) -> None:
+        """Detach from the target; the target behaves exactly as before binding."""
+        if self._shared is None or self._shared.target is None:
+            self._shared = None
+            return
+        from .generation.binding import detach
+
+        detach(self, self._shared.target)
+        self._shared = None
+
+    def _require_bound(self) -> SharedTargetModules:
+        if self._shared is None:
+            raise RuntimeError(
+                f"This {type(self).__name__} is not bound to a target: its embedding and lm head are the target's. "
+                "Pass `target_model=` to the constructor or `from_pretrained`, or call `drafter.bind(target)`.")
+        return self._shared
+
+    def get_input_embeddings(self):
+        return None if self._shared is None else self._shared.embed_tokens
+
+    def get_output_embeddings(self):
+        return None if self._shared is None else self._shared.lm_head
+
+    def generate(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{type(self).__name__} is a draft model: it needs the target's hidden states. Bind it to the target "
+            "(`drafter.bind(target)`, or `from_pretrained(..., target_model=target)`) and call "
+            "`target.generate(input_ids, assistant_model=drafter)`; `drafter.generate(...)` alone cannot run.")
+
+    def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
+        return True
+
+
+@torch.no_grad()
+def _init_fp4_experts(module: FP4Experts, std: float) -> None:
+    # Quantise random dense experts so a randomly initialised model is never
+    # degenerate (all-zero codes would silence the routed experts).
+    if module.w13_weight.is_meta or getattr(module.w13_weight, "_is_hf_initialized", False):
+        return
+    i, d = module.intermediate_size, module.hidden_size
+    for e in range(module.num_experts):  # one expert at a time: bounded memory
+        module.set_expert(e, torch.randn(i, d) * std, torch.randn(i, d) * std, torch.randn(d, i) * std)
