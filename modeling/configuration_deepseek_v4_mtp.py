@@ -1,7 +1,7 @@
 """Hub remote code for DeepSeek-V4 MTP drafts: the configuration.
 
 Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-(`pip install dsv4-mtp-hf`); this file only lets
+(`pip install` the dsv4-mtp-hf source tree or its git repository); this file only lets
 `AutoConfig.from_pretrained(repo, trust_remote_code=True)` find it.
 """
 

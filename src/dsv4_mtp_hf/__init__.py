@@ -2,15 +2,19 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .cache import MtpKVCache, PagedMtpKVCache
-from .configuration import DeepseekV4MtpConfig
+from .cache import DSparkKVCache, MtpKVCache, PagedMtpKVCache
+from .configuration import DeepseekV4DSparkConfig, DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
 from .target import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
 from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
+from .modeling_dspark import DeepseekV4DSparkForCausalLM, DeepseekV4DSparkOutput
 
 AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)
 AutoModelForCausalLM.register(DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, exist_ok=True)
+AutoConfig.register(DeepseekV4DSparkConfig.model_type, DeepseekV4DSparkConfig, exist_ok=True)
+AutoModelForCausalLM.register(DeepseekV4DSparkConfig, DeepseekV4DSparkForCausalLM, exist_ok=True)
 
-__all__ = ["DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
+__all__ = ["DSparkKVCache", "DeepseekV4DSparkConfig", "DeepseekV4DSparkForCausalLM", "DeepseekV4DSparkOutput",
+           "DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
            "graph_target", "pack_fp4_experts", "ungraph_target"]
 __version__ = "0.1.0"

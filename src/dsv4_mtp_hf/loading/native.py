@@ -1,4 +1,4 @@
-"""Load the MTP layer straight from an original DeepSeek-V4 release (SPEC §6).
+"""Load the MTP layer straight from an original DeepSeek-V4 release (design §1).
 
 A release is a ``config.json`` (``model_type: deepseek_v4``), a
 ``model.safetensors.index.json`` and many shards; the MTP layer lives under ``mtp.0.*``
@@ -569,7 +569,7 @@ def load_options(kwargs: dict) -> LoadOptions:
     for k in HUB_KWARGS + IGNORED_KWARGS:
         kwargs.pop(k, None)
     config = kwargs.pop("config", None)
-    fields = set(DeepseekV4MtpConfig.__annotations__)
+    fields = DeepseekV4MtpConfig.field_names()
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
     if kwargs:
         raise TypeError(f"Unexpected keyword argument(s) for loading a native DeepSeek-V4 MTP: {sorted(kwargs)}.")
@@ -720,14 +720,14 @@ def fill_units(model, units: list[Unit], read, layout: F.ExpertLayout, fmt: str,
 
 
 def fill_native_model(model, source: NativeSource, units: list[Unit], layout: F.ExpertLayout, fmt: str,
-                      shapes: dict, dtype: torch.dtype, device_of) -> None:
+                      shapes: dict, dtype: torch.dtype, device_of, desc: str = "Loading DeepSeek-V4 MTP") -> None:
     """Allocate the packed expert buffers, then fill the meta ``model`` from the release."""
     experts = {m: ExpertBuffers.allocate(model, m, fmt, device_of) for m in sorted({u.module for u in units
                                                                                    if u.kind == "expert"})}
     units = sorted(units, key=lambda u: (source.shard_of[next(iter(u.sources.values()))], u.kind))
     with ExitStack() as stack:
         fill_units(model, units, shard_reader(stack, source), layout, fmt, shapes, final_dtypes(model, dtype),
-                   device_of, experts)
+                   device_of, experts, desc)
     for b in experts.values():
         b.install(model, device_of)
 
@@ -749,7 +749,11 @@ def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
     """Build ``cls`` (``DeepseekV4MtpForCausalLM``) from an original DeepSeek-V4 release."""
     from transformers import DeepseekV4Config
 
+    from .detect import check_class, drafter_kind, stored_names
+
     opts = load_options(kwargs)
+    check_class(cls, drafter_kind(stored_names(path_or_repo, opts.hub), read_config_dict(path_or_repo, opts.hub),
+                                  required=False))
     source = read_native_source(path_or_repo, opts.hub)  # 1. config, index, headers of the MTP shards
     target_config = opts.config if opts.config is not None else DeepseekV4Config.from_pretrained(path_or_repo, **opts.hub)
     dtype = resolve_dtype(opts.dtype, source.config_dict)

@@ -13,46 +13,57 @@ from pathlib import Path
 
 from .save_guard import check_save_directory
 
-CONFIG_MODULE = "configuration_deepseek_v4_mtp"
-MODEL_MODULE = "modeling_deepseek_v4_mtp"
-AUTO_MAP = {
-    "AutoConfig": f"{CONFIG_MODULE}.DeepseekV4MtpConfig",
-    "AutoModelForCausalLM": f"{MODEL_MODULE}.DeepseekV4MtpForCausalLM",
-}
+INSTALL = "`pip install` the dsv4-mtp-hf source tree or its git repository"
 
-REMOTE_CODE_FILES = {
-    f"{CONFIG_MODULE}.py": '''\
-"""Hub remote code for DeepSeek-V4 MTP drafts: the configuration.
+
+def _files(kind: str, config_class: str, model_class: str, module: str) -> dict[str, str]:
+    """The two thin files of one drafter (``kind`` its words in the docstrings)."""
+    return {
+        f"configuration_deepseek_v4_{module}.py": f'''\
+"""Hub remote code for DeepSeek-V4 {kind} drafts: the configuration.
 
 Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-(`pip install dsv4-mtp-hf`); this file only lets
+({INSTALL}); this file only lets
 `AutoConfig.from_pretrained(repo, trust_remote_code=True)` find it.
 """
 
-from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig
+from dsv4_mtp_hf.configuration import {config_class}
 
-__all__ = ["DeepseekV4MtpConfig"]
+__all__ = ["{config_class}"]
 ''',
-    f"{MODEL_MODULE}.py": '''\
-"""Hub remote code for DeepSeek-V4 MTP drafts: the model.
+        f"modeling_deepseek_v4_{module}.py": f'''\
+"""Hub remote code for DeepSeek-V4 {kind} drafts: the model.
 
 Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-(`pip install dsv4-mtp-hf`); this file only lets
+({INSTALL}); this file only lets
 `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` find it.
-Bind the loaded draft to its target with `mtp.bind(target)`.
+Bind the loaded draft to its target with `drafter.bind(target)`, or load it with `target_model=target`.
 """
 
-from dsv4_mtp_hf.modeling import DeepseekV4MtpForCausalLM
+from dsv4_mtp_hf import {model_class}
 
-__all__ = ["DeepseekV4MtpForCausalLM"]
+__all__ = ["{model_class}"]
 ''',
+    }
+
+
+# per drafter model type: (the remote-code files, the config's auto_map)
+REMOTE_CODE = {
+    "deepseek_v4_mtp": (_files("MTP", "DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "mtp"), {
+        "AutoConfig": "configuration_deepseek_v4_mtp.DeepseekV4MtpConfig",
+        "AutoModelForCausalLM": "modeling_deepseek_v4_mtp.DeepseekV4MtpForCausalLM"}),
+    "deepseek_v4_dspark": (_files("DSpark", "DeepseekV4DSparkConfig", "DeepseekV4DSparkForCausalLM", "dspark"), {
+        "AutoConfig": "configuration_deepseek_v4_dspark.DeepseekV4DSparkConfig",
+        "AutoModelForCausalLM": "modeling_deepseek_v4_dspark.DeepseekV4DSparkForCausalLM"}),
 }
+REMOTE_CODE_FILES = {name: text for files, _ in REMOTE_CODE.values() for name, text in files.items()}
+AUTO_MAP = REMOTE_CODE["deepseek_v4_mtp"][1]
 
 
-def write_remote_code(save_directory: str | os.PathLike) -> list[Path]:
-    """Write the thin remote-code files into ``save_directory``."""
+def write_remote_code(save_directory: str | os.PathLike, model_type: str = "deepseek_v4_mtp") -> list[Path]:
+    """Write the thin remote-code files of the drafter ``model_type`` into ``save_directory``."""
     out = []
-    for name, text in REMOTE_CODE_FILES.items():
+    for name, text in REMOTE_CODE[model_type][0].items():
         path = Path(save_directory) / name
         path.write_text(text, encoding="utf-8")
         out.append(path)
@@ -79,11 +90,13 @@ def save_with_remote_code(model, save_fn, save_directory, *args, **kwargs):
     from) is refused before anything is written: transformers' save would overwrite its
     ``config.json`` and delete its shards (:mod:`.save_guard`).
     """
-    check_save_directory(save_directory, model.config.model_type, draft_owns(model), "DeepSeek-V4 MTP draft")
+    kind = model.config.model_type
+    what = "DeepSeek-V4 DSpark drafter" if kind == "deepseek_v4_dspark" else "DeepSeek-V4 MTP draft"
+    check_save_directory(save_directory, kind, draft_owns(model), what)
     push = pop_push_arguments(kwargs)
     classes = (type(model), type(model.config))
     saved = [c.__dict__.get("_auto_class", None) for c in classes]
-    model.config.auto_map = dict(AUTO_MAP)
+    model.config.auto_map = dict(REMOTE_CODE[kind][1])
     try:
         for c in classes:
             c._auto_class = None
@@ -92,8 +105,8 @@ def save_with_remote_code(model, save_fn, save_directory, *args, **kwargs):
         for c, value in zip(classes, saved):
             c._auto_class = value
     if kwargs.get("is_main_process", True):
-        write_remote_code(save_directory)
-    push_saved_folder(save_directory, push, "Upload DeepSeek-V4 MTP draft")
+        write_remote_code(save_directory, kind)
+    push_saved_folder(save_directory, push, f"Upload {what}")
     return result
 
 

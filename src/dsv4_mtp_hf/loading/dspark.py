@@ -1,0 +1,114 @@
+"""Load the DSpark drafter from a DeepSeek-V4 release (design §7b): 0731, -Flash-DSpark, -Pro-DSpark.
+
+The drafter lives under ``mtp.0..N-1.*`` (the names the MTP used), every block a V4 draft layer with the
+MTP block's tensor names; ``mtp.0`` adds the input projection (``main_proj``, FP8, and ``main_norm``), the last
+block the head (``norm``, ``hc_head_*``), the Markov head (``markov_head.markov_w1/w2``, BF16) and the
+confidence head (``confidence_head.proj``).  The same reader as the MTP's (:mod:`.native`): config, index and
+headers first, every tensor checked before any data is read, FP8 dequantised one matrix at a time, routed
+experts copied as raw FP4 bytes.  Without a target, the release's ``embed.weight`` / ``head.weight`` are read
+too, so the drafter runs standalone until it is bound.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from . import native as N
+from .formats import MtpCheckpointError
+
+INPUT_PLAIN = {"main_norm.weight": "main_norm.weight"}  # under mtp.0.
+INPUT_LINEAR = {"main_proj": "main_proj"}
+HEAD_PLAIN = {  # under the last block's prefix
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+    "markov_head.markov_w1.weight": "markov_embed.weight",
+    "markov_head.markov_w2.weight": "markov_proj.weight",
+    "confidence_head.proj.weight": "confidence.weight",
+}
+SHARED = {"embed.weight": "embed", "head.weight": "head"}
+
+
+def draft_blocks(keys) -> list[int]:
+    """The ``mtp.{i}`` block indices a release stores."""
+    return sorted({int(m.group(1)) for k in keys if (m := re.match(r"^mtp\.(\d+)\.", k))})
+
+
+def build_dspark_plan(model, header: dict, keys: list[str], expert_format_override: str | None):
+    """Every block's units, the input and head tensors -> (units, expert layout, format, unused keys)."""
+    blocks = draft_blocks(keys)
+    layout, fmt = N.detect_block_experts(header, keys, "mtp.0.", expert_format_override)
+    missing: list[str] = []
+    units = N.table_units(header, "mtp.0.", "", INPUT_PLAIN, INPUT_LINEAR, missing)
+    for i in blocks:
+        units += N.block_units(header, f"mtp.{i}.", f"layers.{i}.", model.config, layout, missing)
+    units += N.table_units(header, f"mtp.{blocks[-1]}.", "", HEAD_PLAIN, {}, missing)
+    N.raise_missing(missing, layout)
+    return units, layout, fmt, N.unused_keys(keys, units, [(f"mtp.{i}.", layout) for i in blocks])
+
+
+def plan_dspark_model(cls, source: N.NativeSource, target_config, overrides: dict, dtype: torch.dtype):
+    """Plan and check the load before any data is read -> (meta model, units, expert layout, format, shapes)."""
+    from ..configuration import DeepseekV4DSparkConfig
+
+    overrides = {**overrides, "num_draft_layers": len(draft_blocks(source.keys))}
+    probe = DeepseekV4DSparkConfig.from_target_config(target_config, **overrides)
+    with torch.device("meta"):
+        model = cls._from_config(probe, dtype=dtype)
+    units, layout, fmt, unused = build_dspark_plan(model, source.header, source.keys, overrides.get("expert_format"))
+    if fmt != probe.expert_format:
+        config = DeepseekV4DSparkConfig.from_target_config(target_config, **{**overrides, "expert_format": fmt})
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=dtype)
+    shapes = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    N.validate_plan(units, source.header, shapes, layout, fmt, model.config)
+    if unused:
+        N.logger.warning(f"{len(unused)} mtp tensor(s) in {source.path_or_repo} are not used by the DSpark drafter: "
+                         + ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else ""))
+    return model, units, layout, fmt, shapes
+
+
+def load_native_dspark(cls, path_or_repo, *, target_model=None, **kwargs):
+    """Build ``cls`` (``DeepseekV4DSparkForCausalLM``) from a DeepSeek-V4 DSpark release."""
+    from transformers import DeepseekV4Config
+
+    from ..configuration import DeepseekV4DSparkConfig, DeepseekV4DraftConfig
+
+    own = DeepseekV4DSparkConfig.field_names() - DeepseekV4DraftConfig.field_names()
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+    opts = N.load_options(kwargs)
+    opts.overrides.update(extra)
+    source = N.read_native_source(path_or_repo, opts.hub, prefix="mtp.")
+    target_config = opts.config if opts.config is not None else DeepseekV4Config.from_pretrained(path_or_repo, **opts.hub)
+    dtype = N.resolve_dtype(opts.dtype, source.config_dict)
+    model, units, layout, fmt, shapes = plan_dspark_model(cls, source, target_config, opts.overrides, dtype)
+    device_of = N.device_resolver(opts.device_map, target_model)
+    N.fill_native_model(model, source, units, layout, fmt, shapes, dtype, device_of, "Loading DeepSeek-V4 DSpark")
+    if target_model is None:
+        model.use_shared_modules(*read_shared_modules(path_or_repo, opts.hub, dtype, device_of("main_proj.weight")))
+    return N.finalize_native_model(model, path_or_repo, dtype, target_model)
+
+
+def read_shared_modules(path_or_repo, hub: dict, dtype: torch.dtype, device) -> tuple[nn.Embedding, nn.Linear]:
+    """The release's ``embed.weight`` / ``head.weight`` as modules (only their shards are fetched)."""
+    from safetensors import safe_open
+
+    weight_map, single = N.read_weight_map(path_or_repo, hub)
+    missing = [k for k in SHARED if k not in weight_map]
+    if missing:
+        raise MtpCheckpointError(f"{path_or_repo} has no {missing}: without a target model the drafter reads the "
+                                 "release's embedding and lm head. Pass `target_model=` instead.")
+    tensors = {}
+    for name in SHARED:
+        path = single if single is not None else N.resolve_file(path_or_repo, weight_map[name], hub)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    vocab, hidden = tensors["embed.weight"].shape
+    embed, head = nn.Embedding(vocab, hidden, device="meta"), nn.Linear(hidden, vocab, bias=False, device="meta")
+    embed.weight = nn.Parameter(tensors["embed.weight"], requires_grad=False)
+    head.weight = nn.Parameter(tensors["head.weight"], requires_grad=False)
+    return embed, head
