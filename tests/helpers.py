@@ -1,5 +1,6 @@
 """Tiny DeepSeek-V4 configs and models shared by the tests."""
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -178,21 +179,96 @@ def load_benchmark(name: str):
     return mod
 
 
-def generate_recording_candidates(target, mtp, ids, **kwargs):
-    """``target.generate(ids, assistant_model=mtp, **kwargs)`` and the candidate generator it made (to
-    inspect its drafter): ``(output, generator)``."""
-    from dsv4_mtp_hf.generation import MtpCandidateGenerator
+@contextlib.contextmanager
+def sessions_made():
+    """The drafting sessions (``MtpSession``) the calls inside the block make, in order."""
+    from dsv4_mtp_hf.generation.mtp_session import MtpSession
 
-    made = []
+    made, init = [], MtpSession.__init__
 
-    class Recording(MtpCandidateGenerator):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
+    def recording(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
 
-    mtp.candidate_generator_class = Recording
+    MtpSession.__init__ = recording
     try:
-        out = target.generate(ids, assistant_model=mtp, **kwargs)
+        yield made
     finally:
-        mtp.candidate_generator_class = None
+        MtpSession.__init__ = init
+
+
+@contextlib.contextmanager
+def edited_drafts(edit):
+    """Every round's drafts inside the block pass through ``edit(ids, drafts) -> drafts`` (``ids`` the confirmed
+    sequence, ``drafts`` a :class:`~dsv4_mtp_hf.generation.Drafts`): oracle drafts for tests, while the real MTP
+    still runs (its cache is filled, rolled back and recomputed as usual)."""
+    from dsv4_mtp_hf.generation.mtp_session import MtpSession
+
+    real = MtpSession._draft
+
+    def _draft(self, ids, features, choose, limit):
+        drafts = real(self, ids, features, choose, limit)
+        return drafts if drafts is None else edit(ids, drafts)
+
+    MtpSession._draft = _draft
+    try:
+        yield
+    finally:
+        MtpSession._draft = real
+
+
+def truth_drafts(truth: torch.Tensor, wrong_at=(), vocab: int = 320):
+    """An ``edited_drafts`` edit: each draft is ``truth``'s token at its position, off by one at ``wrong_at``."""
+    from dsv4_mtp_hf.generation import Drafts
+
+    def edit(ids, drafts):
+        tokens = drafts.tokens.clone()
+        for i in range(tokens.shape[1]):
+            j = ids.shape[1] + i
+            tok = int(truth[0, j]) if j < truth.shape[1] else 0
+            tokens[0, i] = (tok + 1) % vocab if j in wrong_at else tok
+        return Drafts(tokens, drafts.logits, drafts.confidences)
+
+    return edit
+
+
+@contextlib.contextmanager
+def proposals_recorded():
+    """The candidate tokens each round hands the verifier, as lists (one per round)."""
+    from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator
+
+    seen, real = [], DraftCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, *a, **kw):
+        seq, logits = real(self, input_ids, *a, **kw)
+        if not kw.get("is_first_iteration"):
+            seen.append(seq[0, input_ids.shape[1]:].tolist())
+        return seq, logits
+
+    DraftCandidateGenerator.get_candidates = get_candidates
+    try:
+        yield seen
+    finally:
+        DraftCandidateGenerator.get_candidates = real
+
+
+@contextlib.contextmanager
+def per_position_drafts():
+    """Calls inside the block draft one position at a time through the round's Chooser (the path of processors
+    that read the sequence), whatever their settings: the reference the fast paths are compared with."""
+    from dsv4_mtp_hf.generation import round as rounds
+
+    real = rounds.regime
+    rounds.regime = lambda do_sample, logits_processor: "processed"
+    try:
+        yield
+    finally:
+        rounds.regime = real
+
+
+def generate_recording_session(target, mtp, ids, **kwargs):
+    """``target.generate(ids, assistant_model=mtp, **kwargs)`` and the drafting session it made (to inspect its
+    drafter): ``(output, session)``."""
+    with sessions_made() as made:
+        out = target.generate(ids, assistant_model=mtp, **kwargs)
     return out, made[-1]

@@ -139,10 +139,10 @@ def test_model_with_explicit_flashinfer_raises_on_cpu_instead_of_falling_back(mo
     ids, hs = torch.randint(0, 320, (1, 3)), torch.randn(1, 3, mtp.config.hc_mult, mtp.config.hidden_size)
     with torch.no_grad(), pytest.raises(RuntimeError, match="pip install flashinfer-python"):
         mtp(ids, hs, past_key_values=mtp.new_cache(paged=True))
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     with pytest.raises(RuntimeError, match="attention_backend='flashinfer'"):
-        GraphedDrafter(mtp, mtp.new_cache(paged=True), num_drafts=2)
+        GraphedDrafter(mtp, mtp.new_cache(paged=True), num_drafts=3)
     mtp.config.attention_backend = "auto"  # read per call: now the reference runs
     with torch.no_grad():
         mtp(ids, hs, past_key_values=mtp.new_cache(paged=True))
@@ -199,7 +199,7 @@ def test_model_on_the_stand_in_equals_the_reference_with_ragged_lengths(fake_fla
                 mtp.config.attention_backend = name
                 out[name] = mtp(ids, hs, past_key_values=cache).logits
                 if step:  # each sequence keeps a different number of rows
-                    cache.crop(cache.seq_lengths - s + torch.tensor([s, 1, (step % s) + 1]))
+                    cache.truncate(cache.seq_lengths - s + torch.tensor([s, 1, (step % s) + 1]))
             torch.testing.assert_close(out["flashinfer"], out["reference"], rtol=1e-5, atol=1e-5)
     assert min(caches["flashinfer"].seq_lengths.tolist()) >= 2 * mtp.config.sliding_window  # short, then long contexts
 
@@ -207,7 +207,7 @@ def test_model_on_the_stand_in_equals_the_reference_with_ragged_lengths(fake_fla
 def test_drafter_replans_steps_and_a_replayed_plan_is_exact(fake_flashinfer, monkeypatch):
     """What a replay runs: each step's wrapper as planned before it, never re-planned inside.
     Simulated on CPU by marking the stream as capturing while the steps run."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     _, mtp = tiny_pair(max_draft_tokens=4)
     gen = torch.Generator().manual_seed(4)
@@ -216,7 +216,7 @@ def test_drafter_replans_steps_and_a_replayed_plan_is_exact(fake_flashinfer, mon
     hs = torch.randn(b, 12, mtp.config.hc_mult, mtp.config.hidden_size, generator=gen)
     paged = mtp.new_cache(paged=True, batch_size=b)
     mtp.config.attention_backend = "flashinfer"
-    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=4)
     assert not hasattr(paged, "attention_plans") and len(drafter.attention_plans.steps) == 3  # the drafter's
     ref_cache = mtp.new_cache(paged=True, batch_size=b)
     with torch.no_grad():
@@ -257,17 +257,17 @@ def test_drafter_replans_steps_and_a_replayed_plan_is_exact(fake_flashinfer, mon
 def test_drafter_under_auto_keeps_the_reference_attention(fake_flashinfer):
     """'auto' leaves a drafter's steps on the reference attention (compiled and captured as before);
     eager forwards on other paged caches still take FlashInfer."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     _, mtp = tiny_pair(max_draft_tokens=4)
     assert mtp.config.attention_backend == "auto"
-    drafter = GraphedDrafter(mtp, mtp.new_cache(paged=True, batch_size=2), num_drafts=2)
+    drafter = GraphedDrafter(mtp, mtp.new_cache(paged=True, batch_size=2), num_drafts=3)
     assert drafter.attention_plans is None and drafter.attention_backend == "reference"
     attn, q = mtp.block.self_attn, torch.zeros(1)
     assert attn.attention_backend(q.dtype, q.device, 2, drafter.cache, requested=drafter.attention_backend) == "reference"
     assert attn.attention_backend(q.dtype, q.device, 2, mtp.new_cache(paged=True, batch_size=2)) == "flashinfer"
     mtp.config.attention_backend = "flashinfer"  # named: the drafter plans FlashInfer steps
-    drafter = GraphedDrafter(mtp, mtp.new_cache(paged=True, batch_size=2), num_drafts=2)
+    drafter = GraphedDrafter(mtp, mtp.new_cache(paged=True, batch_size=2), num_drafts=3)
     assert drafter.attention_backend is None and len(drafter.attention_plans.steps) == 2
 
 
@@ -366,7 +366,7 @@ def test_mtp_draft_logits_flashinfer_vs_reference():
                 mtp.config.attention_backend = name
                 out[name] = mtp(ids, hs, past_key_values=cache).logits.float()
                 if step == 0:  # ragged: two sequences shorter than the window, two longer
-                    cache.crop(torch.tensor([3, 20, 9, 17], device="cuda"))
+                    cache.truncate(torch.tensor([3, 20, 9, 17], device="cuda"))
             rel.append(_rel(out["flashinfer"], out["reference"]))
             same += int((out["flashinfer"].argmax(-1) == out["reference"].argmax(-1)).sum())
             total += out["reference"][..., 0].numel()
@@ -376,7 +376,7 @@ def test_mtp_draft_logits_flashinfer_vs_reference():
 
 @pytest.mark.gpu
 def test_graphed_drafter_with_flashinfer_replays_its_eager_run_and_the_reference():
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     _, mtp = _bf16_mtp(attention_backend="flashinfer")
     print(f"seed={SEED}")
@@ -387,8 +387,8 @@ def test_graphed_drafter_with_flashinfer_replays_its_eager_run_and_the_reference
     paged = mtp.new_cache(paged=True, batch_size=b)
     with torch.no_grad():
         mtp(ids[:, :-1], hs[:, :-1], past_key_values=paged)
-        paged.crop(torch.tensor([2, 9, 14, 29], device="cuda"))
-    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+        paged.truncate(torch.tensor([2, 9, 14, 29], device="cuda"))
+    drafter = GraphedDrafter(mtp, paged, num_drafts=4)
     drafter.tokens.copy_(ids[:, -1:])
     drafter.residual.copy_(hs[:, -1:])
     drafter.capture()

@@ -130,9 +130,9 @@ def test_batched_speculative_greedy_equals_plain_greedy_per_sequence():
         plain = [target.generate(p[None], max_new_tokens=30, do_sample=False, eos_token_id=None)[0, p.numel():]
                  for p in ps]
         eos = int(plain[rng.randrange(4)][rng.randint(3, 12)])
-        out = speculative_generate(target, mtp, ps, max_new_tokens=30, num_draft_tokens=k, eos_token_id=eos,
+        out = speculative_generate(target, mtp, ps, max_new_tokens=30, num_assistant_tokens=k, eos_token_id=eos,
                                    target_attention="batched")
-        ref = speculative_generate(target, mtp, ps, max_new_tokens=30, num_draft_tokens=k, eos_token_id=eos,
+        ref = speculative_generate(target, mtp, ps, max_new_tokens=30, num_assistant_tokens=k, eos_token_id=eos,
                                    target_attention="per_sequence")
         for i, want in enumerate(plain):
             if (want == eos).any():
@@ -155,8 +155,8 @@ def test_state_errors_name_the_problem():
     seqs[0].crop(2)  # 4 - 2: allowed
     seqs[1].crop(5)  # the positive form keeps min(5, length) tokens: a no-op, as RollbackDeepseekV4Cache
     assert seqs[1].get_seq_length() == 1
-    with pytest.raises(CacheRollbackError, match="crop"):
-        seqs[1].state.crop(1, 5)  # the state's own crop takes a length <= the current one
+    with pytest.raises(CacheRollbackError, match="truncate"):
+        seqs[1].state.truncate(1, 5)  # the state truncates to a length <= the current one
     seqs[2].free()
     with pytest.raises(ValueError, match="freed"):
         runner([x], [seqs[2]])

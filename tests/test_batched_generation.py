@@ -31,7 +31,7 @@ def test_batched_greedy_equals_per_sequence_greedy(k):
     11 and 23 tokens: every sequence crosses compression boundaries at its own steps."""
     target, mtp = tiny_pair(seed=20 + k)
     ps = prompts(k, (5, 11, 23))
-    out = speculative_generate(target, mtp, ps, max_new_tokens=50, num_draft_tokens=k, eos_token_id=[])
+    out = speculative_generate(target, mtp, ps, max_new_tokens=50, num_assistant_tokens=k, eos_token_id=[])
     for i, p in enumerate(ps):
         assert torch.equal(out.new_tokens[i], plain(target, p, 50)), i
         assert out.stats[i].new_tokens == 50 and out.stats[i].num_assistant_tokens == k
@@ -47,7 +47,7 @@ def test_batch_keeps_per_sequence_acceptance_of_the_single_sequence_path():
     target, mtp, tok = load_demo_pair()
     x = tok(SNIPPET, return_tensors="pt", add_special_tokens=False).input_ids[0]
     ps = [x[:n] for n in (20, 45, 70, 33)]
-    out = speculative_generate(target, mtp, ps, max_new_tokens=32, num_draft_tokens=3, eos_token_id=[])
+    out = speculative_generate(target, mtp, ps, max_new_tokens=32, num_assistant_tokens=3, eos_token_id=[])
     total_rounds = total_accepted = 0
     for i, p in enumerate(ps):
         assert torch.equal(out.new_tokens[i], plain(target, p, 32)), i
@@ -67,7 +67,7 @@ def test_eos_finishes_sequences_at_different_rounds():
     ps = prompts(31, (7, 12, 9))
     free_run = [plain(target, p, 40) for p in ps]
     eos = int(free_run[1][6])  # a token the second sequence emits early
-    out = speculative_generate(target, mtp, ps, max_new_tokens=40, num_draft_tokens=3, eos_token_id=eos, pad_token_id=2)
+    out = speculative_generate(target, mtp, ps, max_new_tokens=40, num_assistant_tokens=3, eos_token_id=eos, pad_token_id=2)
     lengths = set()
     for i, p in enumerate(ps):
         want = plain(target, p, 40, eos_token_id=eos, pad_token_id=2)
@@ -85,14 +85,14 @@ def test_padded_tensor_input_small_prefill_groups_and_chunks():
     several target forwards and MTP chunks changes nothing."""
     target, mtp = tiny_pair(seed=41)
     ps = prompts(41, (9, 4, 14))
-    ref = speculative_generate(target, mtp, ps, max_new_tokens=30, num_draft_tokens=2, eos_token_id=[])
+    ref = speculative_generate(target, mtp, ps, max_new_tokens=30, num_assistant_tokens=2, eos_token_id=[])
     for side in ("left", "right"):
         ids = torch.full((3, 14), 2, dtype=torch.long)
         mask = torch.zeros(3, 14, dtype=torch.long)
         for i, p in enumerate(ps):
             sl = slice(14 - p.numel(), 14) if side == "left" else slice(0, p.numel())
             ids[i, sl], mask[i, sl] = p, 1
-        out = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=30, num_draft_tokens=2,
+        out = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=30, num_assistant_tokens=2,
                                    eos_token_id=[], prefill_tokens=10, prefill_chunk=4)
         for i in range(3):
             assert torch.equal(out.new_tokens[i], ref.new_tokens[i]), (side, i)
@@ -149,10 +149,10 @@ def test_bad_input_names_the_problem():
         speculative_generate(target, mtp, p, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         speculative_generate(target, mtp, p, do_sample=True, top_p=1.5)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
-        speculative_generate(target, mtp, p, num_draft_tokens=0)
-    with pytest.raises(ValueError, match="max_draft_tokens"):
-        speculative_generate(target, mtp, p, num_draft_tokens=mtp.config.max_draft_tokens + 2)
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        speculative_generate(target, mtp, p, num_assistant_tokens=0)
+    with pytest.raises(ValueError, match="drafts per round"):
+        speculative_generate(target, mtp, p, num_assistant_tokens=mtp.config.max_draft_tokens + 2)
     with pytest.raises(ValueError, match="holes"):
         speculative_generate(target, mtp, torch.ones(1, 4, dtype=torch.long) * 5,
                              attention_mask=torch.tensor([[1, 0, 1, 1]]))
@@ -178,7 +178,7 @@ def test_batched_speculative_sampling_matches_plain_sampling_in_distribution():
     target.generation_config.eos_token_id = None  # no EOS masking or stopping on either side
     torch.manual_seed(0)
     plain = target.generate(ids.expand(n, -1), do_sample=True, max_new_tokens=3, **kw)[:, -3:]
-    out = speculative_generate(target, mtp, [ids[0]] * n, do_sample=True, max_new_tokens=3, num_draft_tokens=2,
+    out = speculative_generate(target, mtp, [ids[0]] * n, do_sample=True, max_new_tokens=3, num_assistant_tokens=2,
                                eos_token_id=[], generator=torch.Generator().manual_seed(3), **kw)
     spec = torch.stack(out.new_tokens)
     drafted, accepted = sum(s.drafted for s in out.stats), sum(s.accepted for s in out.stats)
@@ -189,9 +189,12 @@ def test_batched_speculative_sampling_matches_plain_sampling_in_distribution():
 
 
 def test_speculative_sampling_step_reproduces_the_target_distribution():
-    """One draft drawn from q, verified against p: the emitted token is distributed as p
-    (accept with min(1, p/q), else resample from max(p - q, 0)), whatever q is."""
-    from dsv4_mtp_hf.generation.speculative import _Sampler, _verify_sampled
+    """One draft drawn from q, verified against p (:func:`round.accept`, the rule every driver applies, here for
+    n rounds at once): the emitted token is distributed as p (accept with min(1, p/q), else resample from
+    max(p - q, 0)), whatever q is."""
+    from transformers import LogitsProcessorList
+
+    from dsv4_mtp_hf.generation import round as rounds
 
     g = torch.Generator().manual_seed(0)
     v, n = 8, 20000
@@ -199,13 +202,13 @@ def test_speculative_sampling_step_reproduces_the_target_distribution():
     p = p / p.sum(-1, keepdim=True)
     q = torch.rand(v, generator=g) ** 3
     q = q / q.sum()
-    sampler = _Sampler(None, None, None, torch.Generator().manual_seed(1))
-    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
-    first = []
-    for d in drafts:
-        a, last = _verify_sampled(sampler, [d], [q], p)
-        first.append(d if a == 1 else last)
-    counts = torch.bincount(torch.tensor(first), minlength=v).double()
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    accepted, selected = rounds.accept(drafts, p.log().expand(n, -1, -1), q.log().expand(n, 1, -1),
+                                       LogitsProcessorList(), torch.Generator().manual_seed(1))
+    first = torch.where(accepted == 1, drafts[:, 0], selected[:, 0])
+    assert torch.equal(selected[accepted == 1, 0], drafts[accepted == 1, 0])
+    assert 0 < int(accepted.sum()) < n  # both accepted and resampled drafts
+    counts = torch.bincount(first, minlength=v).double()
     expected = p[0].double() * n
     stat = float(((counts - expected) ** 2 / expected).sum())
     pvalue = 1 - float(torch.distributions.Chi2(torch.tensor(float(v - 1))).cdf(torch.tensor(stat)))
@@ -221,9 +224,9 @@ def test_generate_custom_generate_hook_runs_the_batched_loop():
     ids, mask = torch.full((2, 9), 2), torch.zeros(2, 9, dtype=torch.long)
     for i, p in enumerate(ps):
         ids[i, 9 - p.numel():], mask[i, 9 - p.numel():] = p, 1
-    out = target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, num_draft_tokens=2,
+    out = target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=mtp, num_assistant_tokens=2,
                           max_new_tokens=12, do_sample=False)
-    ref = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=12, num_draft_tokens=2,
+    ref = speculative_generate(target, mtp, ids, attention_mask=mask, max_new_tokens=12, num_assistant_tokens=2,
                                eos_token_id=target.generation_config.eos_token_id, pad_token_id=2)
     assert torch.equal(out, ref.sequences)
     for i, p in enumerate(ps):

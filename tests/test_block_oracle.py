@@ -6,7 +6,7 @@ import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from dsv4_mtp_hf.layers.rope import rope_cos_sin
-from dsv4_mtp_hf.modeling import DeepseekV4MtpBlock
+from dsv4_mtp_hf.layers.block import DeepseekV4DraftBlock
 
 from .helpers import randomize_, tiny_target_config
 from dsv4_mtp_hf import DeepseekV4MtpConfig
@@ -16,7 +16,7 @@ def build_pair(expert_format, seed):
     torch.manual_seed(seed)
     tc = tiny_target_config(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
     config = DeepseekV4MtpConfig.from_target_config(tc, expert_format=expert_format)
-    ours = DeepseekV4MtpBlock(config)
+    ours = DeepseekV4DraftBlock(config)
     g = torch.Generator().manual_seed(seed)
     randomize_(ours, g)
     for e in range(config.n_routed_experts):

@@ -6,8 +6,8 @@ import torch
 from dsv4_mtp_hf.generation import draft_length as dl
 from dsv4_mtp_hf.generation.draft_length import AutoDraftLength
 
-from .helpers import generate_recording_candidates, tiny_pair
-from .test_generation import PROMPT_LEN, OracleDrafts, prompt
+from .helpers import edited_drafts, generate_recording_session, sessions_made, tiny_pair, truth_drafts
+from .test_generation import PATHS, PROMPT_LEN, drafting, prompt
 
 
 def rounds(policy, n, accepted_of, cost_of):
@@ -58,12 +58,9 @@ def test_exploration_and_the_untimed_first_round():
         AutoDraftLength(0)
 
 
-@pytest.mark.parametrize("fast", [False, "eager"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("wrong_every", [0, 1])  # 0: every draft right; 1: every draft wrong
-def test_auto_k_keeps_greedy_output_exact_and_follows_acceptance(fast, wrong_every, monkeypatch):
-    class Drafts(OracleDrafts):
-        fast_drafts = fast
-
+def test_auto_k_keeps_greedy_output_exact_and_follows_acceptance(path, wrong_every, monkeypatch):
     # The round times of a tiny model on a CPU say little about a GPU; fix the cost slope, test the acceptance side.
     monkeypatch.setattr(AutoDraftLength, "slope", lambda self: dl.PRIOR_SLOPE)
 
@@ -71,24 +68,22 @@ def test_auto_k_keeps_greedy_output_exact_and_follows_acceptance(fast, wrong_eve
     ids = prompt(40)
     kw = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    OracleDrafts.truth = plain
-    OracleDrafts.wrong_at = set(range(PROMPT_LEN, PROMPT_LEN + 60)) if wrong_every else set()
-    OracleDrafts.recorded = []
-    mtp.candidate_generator_class = Drafts
-    try:
+    wrong_at = set(range(PROMPT_LEN, PROMPT_LEN + 60)) if wrong_every else set()
+    with drafting(path), sessions_made() as made, edited_drafts(truth_drafts(plain, wrong_at)):
         assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens="auto", **kw)
-    finally:
-        mtp.candidate_generator_class = None
-    if fast:  # the paged drafter drafts greedily itself: its drafts are the MTP's, not the oracle's
-        OracleDrafts.wrong_at = set()
+    # the path under test: the drafter drafts the most "auto" allows and hands the verifier each round's K of them
+    if path == "rounds":
+        assert made[-1].drafter is not None and made[-1].drafter.num_drafts == dl.AUTO_MAX_DRAFTS
+    else:
+        assert made[-1].drafter is None
     assert torch.equal(assisted, plain)
     s = mtp.last_generation_stats
     assert s.auto and s.as_dict()["num_assistant_tokens"] == "auto" and s.num_assistant_tokens == dl.AUTO_MAX_DRAFTS
     print("draft lengths:", s.draft_lengths)
     assert len(s.draft_lengths) == s.rounds and set(s.draft_lengths) <= {1, 2, 3, 4}
-    if not fast:
-        late = s.draft_lengths[len(s.draft_lengths) // 2:]
-        assert (min(late) >= 3) if not wrong_every else (sorted(late)[len(late) // 2] == 1), s.draft_lengths
+    assert s.accepted == (0 if wrong_every else s.drafted)
+    late = s.draft_lengths[len(s.draft_lengths) // 2:]
+    assert (min(late) >= 3) if not wrong_every else (sorted(late)[len(late) // 2] == 1), s.draft_lengths
 
 
 def test_auto_k_bad_values_are_named():
@@ -104,8 +99,8 @@ def test_auto_k_on_cuda_replays_the_round_graphs_and_stays_exact():
     ids = prompt(42).cuda()
     kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens="auto", **kw)
+    got, session = generate_recording_session(target, mtp, ids, num_assistant_tokens="auto", **kw)
     assert torch.equal(got, plain)
-    d = generator.drafter
-    assert d is not None and d.use_graph and d.round_graphs and d.num_drafts == dl.AUTO_MAX_DRAFTS - 1
+    d = session.drafter
+    assert d is not None and d.use_graph and d.round_graphs and d.num_drafts == dl.AUTO_MAX_DRAFTS
     assert len(mtp.last_generation_stats.draft_lengths) == mtp.last_generation_stats.rounds

@@ -5,7 +5,7 @@ two-stage argmax."""
 import pytest
 import torch
 
-from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 from dsv4_mtp_hf.ops.argmax import argmax_last
 
 from .helpers import draw_until_clear, tiny_pair
@@ -84,7 +84,7 @@ def test_inductor_compiled_drafter_matches_the_uncompiled_steps():
         gen = torch.Generator().manual_seed(seed)
         cache, tok, res = primed(mtp, 2, 9, gen)
         lengths = cache.seq_lengths.clone()
-        plain, fast = GraphedDrafter(mtp, cache, 3), GraphedDrafter(mtp, cache, 3, compile=True)
+        plain, fast = GraphedDrafter(mtp, cache, 4), GraphedDrafter(mtp, cache, 4, compile=True)
         for d in (plain, fast):
             d.tokens.copy_(tok)
             d.residual.copy_(res)
@@ -119,7 +119,7 @@ def test_compiled_graphed_drafter_replays_its_own_eager_run_and_matches_the_cpu_
     target, mtp = target.cuda(), mtp.cuda()
     cache, tok, res = primed(mtp, 3, 12, torch.Generator().manual_seed(seed), device="cuda")
     lengths = cache.seq_lengths.clone()
-    fast = GraphedDrafter(mtp, cache, 3, draft_vocab=True, compile=True)
+    fast = GraphedDrafter(mtp, cache, 4, draft_vocab=True, compile=True)
     fast.tokens.copy_(tok)
     fast.residual.copy_(res)
     fast.capture()

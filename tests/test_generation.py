@@ -1,40 +1,30 @@
 """`target.generate(assistant_model=mtp)` on transformers' own DeepseekV4ForCausalLM."""
 
+import contextlib
+
 import pytest
 import torch
 
 from dsv4_mtp_hf import DeepseekV4MtpForCausalLM
-from dsv4_mtp_hf.generation import MtpCandidateGenerator, RollbackDeepseekV4Cache
+from dsv4_mtp_hf.generation import RollbackDeepseekV4Cache, mtp_session
+from dsv4_mtp_hf.generation import round as rounds
 
-from .helpers import generate_recording_candidates, tiny_pair
+from .helpers import (edited_drafts, generate_recording_session, per_position_drafts, proposals_recorded,
+                      sessions_made, tiny_pair, truth_drafts)
 
 # Layers mix sliding, CSA (rate 4) and HCA (rate 8) attention with an 8-token window:
 # 200 new tokens cross dozens of window and compression boundaries.
 PROMPT_LEN = 11
+PATHS = ["rounds", "per-position"]  # the drafter's whole rounds (GraphedDrafter, eager on CPU), or a Chooser per draft
 
 
 def prompt(seed=0, length=PROMPT_LEN, vocab=320):
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-class OracleDrafts(MtpCandidateGenerator):
-    """Drafts the target's true greedy continuation except at chosen positions, while the
-    real MTP still runs (its cache is filled, rolled back and recomputed as usual)."""
-
-    truth: torch.Tensor = None
-    wrong_at: set = set()
-    recorded: list = []
-
-    def _process(self, logits, sequence):
-        OracleDrafts.recorded.append((sequence.shape[1], logits.clone(), sequence.shape[1] == self.last_input_length))
-        return super()._process(logits, sequence)
-
-    def select(self, processed_logits, sequence):
-        pos = sequence.shape[1]
-        tok = int(self.truth[0, pos]) if pos < self.truth.shape[1] else 0
-        if pos in self.wrong_at:
-            tok = (tok + 1) % processed_logits.shape[-1]
-        return torch.tensor([[tok]])
+def drafting(path):
+    """The context a call drafts in along ``path`` (:data:`PATHS`)."""
+    return per_position_drafts() if path == "per-position" else contextlib.nullcontext()
 
 
 @pytest.mark.tf_internals
@@ -55,20 +45,47 @@ def test_greedy_assisted_output_is_identical_to_plain_greedy(k):
 
 
 @pytest.mark.tf_internals
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("k", [2, 3])
-def test_partly_correct_drafts_exercise_acceptance_and_rejection(k):
+def test_partly_correct_drafts_exercise_acceptance_and_rejection(k, path, monkeypatch):
+    """Oracle drafts (the target's greedy continuation, wrong at chosen positions) while the real MTP still runs:
+    both acceptance and rejection happen, the output is plain greedy's, and every round's first draft comes from MTP
+    rows recomputed from the target's residual after a rollback.  Per position: ``min_new_tokens`` adds a processor
+    that reads the sequence, so each draft goes through the round's Chooser; rounds: no processor, the drafter."""
     target, mtp = tiny_pair(seed=10 + k)
     ids = prompt(10 + k)
-    kw = dict(max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    if path == "per-position":
+        kw = dict(max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    else:
+        kw = dict(max_new_tokens=80, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    OracleDrafts.truth = plain
-    OracleDrafts.wrong_at = {PROMPT_LEN + i for i in range(0, 80, 7)} | {PROMPT_LEN + i for i in range(3, 80, 11)}
-    OracleDrafts.recorded = []
-    mtp.candidate_generator_class = OracleDrafts
-    try:
+    wrong_at = {PROMPT_LEN + i for i in range(0, 80, 7)} | {PROMPT_LEN + i for i in range(3, 80, 11)}
+    oracle = truth_drafts(plain, wrong_at)
+
+    # The first draft's logits before any processing: the Chooser's first call of the round (per position), or the
+    # round's first draft logits (greedy rounds hand back the raw fp32 logits).
+    chooser_calls, firsts = [], []
+    real_call = rounds.Chooser.__call__
+
+    def call(self, logits, prefix):
+        chooser_calls.append((prefix.shape[1], logits.float().clone()))
+        return real_call(self, logits, prefix)
+
+    def edit(ids_, drafts):
+        if path == "per-position":
+            at, raw = chooser_calls[0]
+            assert at == ids_.shape[1]  # the round's first Chooser call is its first draft position
+            firsts.append((at, raw[0]))
+        else:
+            assert not chooser_calls  # the drafter chose the drafts itself
+            firsts.append((ids_.shape[1], drafts.logits[0, 0].clone()))
+        chooser_calls.clear()
+        return oracle(ids_, drafts)
+
+    monkeypatch.setattr(rounds.Chooser, "__call__", call)
+    with sessions_made() as made, edited_drafts(edit):
         assisted = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw)
-    finally:
-        mtp.candidate_generator_class = None
+    assert (made[-1].drafter is None) == (path == "per-position")  # the path under test
     assert torch.equal(assisted, plain)
     s = mtp.last_generation_stats
     assert 0 < s.accepted < s.drafted  # both paths taken
@@ -83,65 +100,38 @@ def test_partly_correct_drafts_exercise_acceptance_and_rejection(k):
         target(plain)
         hook.remove()
         fresh = mtp(plain[:, 1:], captured[0][:, :-1]).logits[0]  # row p predicts t_{p+2}
-    firsts = [(pos, raw) for pos, raw, first in OracleDrafts.recorded if first]
     assert len(firsts) == s.rounds
     for pos, raw in firsts:
-        torch.testing.assert_close(raw[0], fresh[pos - 2], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(raw, fresh[pos - 2], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.tf_internals
-def test_eos_inside_accepted_drafts_ends_generation_like_plain():
-    target, mtp = tiny_pair(seed=3)
-    ids = prompt(3)
-    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
-    eos = int(plain[0, PROMPT_LEN + 25])  # make a token the model emits mid-way the EOS
-    want = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=eos)
-    OracleDrafts.truth, OracleDrafts.wrong_at, OracleDrafts.recorded = plain, set(), []
-    mtp.candidate_generator_class = OracleDrafts
-    try:
-        got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=60, do_sample=False, eos_token_id=eos)
-    finally:
-        mtp.candidate_generator_class = None
-    assert torch.equal(got, want)
-    assert int(got[0, -1]) == eos and got.shape[1] < PROMPT_LEN + 60
-
-
-class OracleRounds(MtpCandidateGenerator):
-    """The graphed-round path (run eagerly on CPU) with the target's true greedy continuation as its drafts:
-    every draft is accepted, so a draft EOS is followed by drafts the target would accept too."""
-
-    fast_drafts = "eager"
-    truth: torch.Tensor = None
-    eos: int = -1
-    eos_mid_round: int = 0  # rounds whose drafts continue past an EOS
-
-    def _round_result(self, input_ids, tokens, logits):
-        at = input_ids.shape[1]
-        truth = self.truth[:, at : at + tokens.shape[1]]
-        tokens = torch.cat([truth, tokens[:, truth.shape[1]:]], dim=1).to(tokens.device)
-        OracleRounds.eos_mid_round += int(self.eos in tokens[0, : self.round_limit - 1].tolist())
-        return super()._round_result(input_ids, tokens, logits)
-
-
-@pytest.mark.tf_internals
-def test_eos_inside_a_graphed_round_ends_generation_like_plain():
-    """The round's drafts reach the host only where the verifier does not cut at EOS itself (transformers 5.17):
-    either way the accepted tokens end at the first EOS, as plain greedy does."""
+@pytest.mark.parametrize("path", PATHS)
+def test_eos_inside_accepted_drafts_ends_generation_like_plain(path):
+    """The drafts are the target's greedy continuation: an EOS is drafted and accepted, and the output ends there as
+    plain greedy's does.  On the drafter's rounds the drafts go on past the EOS within the round (they reach the
+    host only where the verifier does not cut at EOS itself, transformers 5.17): either way the accepted tokens
+    end at the first EOS."""
     target, mtp = tiny_pair(seed=3)
     ids = prompt(3)
     plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
     eos = int(plain[0, PROMPT_LEN + 25])  # with every draft accepted (K=3), a round's first draft lands here
     want = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=eos)
-    OracleRounds.truth, OracleRounds.eos, OracleRounds.eos_mid_round = plain, eos, 0
-    mtp.candidate_generator_class = OracleRounds
-    try:
+    oracle, mid_round = truth_drafts(plain), []
+
+    def edit(ids_, drafts):
+        drafts = oracle(ids_, drafts)
+        mid_round.append(eos in drafts.tokens[0, :-1].tolist())  # drafts after an EOS in this round
+        return drafts
+
+    with drafting(path), edited_drafts(edit), proposals_recorded() as proposed:
         got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=60, do_sample=False,
                               eos_token_id=eos)
-    finally:
-        mtp.candidate_generator_class = None
-    assert OracleRounds.eos_mid_round >= 1  # the case under test happened
     assert torch.equal(got, want)
     assert int(got[0, -1]) == eos and got.shape[1] < PROMPT_LEN + 60
+    assert any(eos in p for p in proposed)  # the case under test: an EOS among a round's drafts
+    if path == "rounds":
+        assert any(mid_round)
 
 
 @pytest.mark.tf_internals
@@ -155,16 +145,13 @@ def test_max_new_tokens_and_stopping_criteria_are_respected():
     target, mtp = tiny_pair(seed=4)
     ids = prompt(4)
     plain = target.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
-    OracleDrafts.truth, OracleDrafts.wrong_at, OracleDrafts.recorded = plain, set(), []
-    mtp.candidate_generator_class = OracleDrafts
-    try:
+    with edited_drafts(truth_drafts(plain)), proposals_recorded() as proposed:
         for n in (1, 2, 5, 13):
             got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=n, min_new_tokens=n, do_sample=False)
             assert torch.equal(got, plain[:, : PROMPT_LEN + n])
         got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, max_new_tokens=40, min_new_tokens=40,
                               do_sample=False, stopping_criteria=StoppingCriteriaList([StopAtLength()]))
-    finally:
-        mtp.candidate_generator_class = None
+    assert max(map(len, proposed)) == 3  # whole rounds of right drafts were offered
     # accepted drafts may overshoot a custom criterion within the last round, as transformers' own
     # assisted loop does; the tokens are still the target's greedy tokens
     assert PROMPT_LEN + 17 <= got.shape[1] <= PROMPT_LEN + 17 + 3
@@ -182,10 +169,6 @@ def _chi2_pvalue(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
     stat = (((ca - ea) ** 2) / ea + ((cb - eb) ** 2) / eb).sum()
     df = int(keep.sum()) - 1
     return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
-
-
-class RoundDrafts(MtpCandidateGenerator):
-    fast_drafts = "eager"  # the sampled round of the graphs (GraphedDrafter), run eagerly on the CPU
 
 
 @pytest.mark.tf_internals
@@ -208,20 +191,25 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(path, monke
     torch.manual_seed(0)
     plain = target.generate(ids.expand(n, -1), **kw)[:, -3:]
     loops = []
-    if path != "per-token drafts":
-        monkeypatch.setattr(mtp, "candidate_generator_class", RoundDrafts)
     if path == "graphed target":
         graph_target(target, max_length=32)
         real = assisted_loop.decode
         monkeypatch.setattr(assisted_loop, "decode", lambda *a, **k: loops.append(1) or real(*a, **k))
     torch.manual_seed(1)
-    assisted, drafted, accepted = [], 0, 0
-    for _ in range(n):
-        assisted.append(target.generate(ids, assistant_model=mtp, num_assistant_tokens=2, **kw)[0, -3:])
-        drafted += mtp.last_generation_stats.drafted
-        accepted += mtp.last_generation_stats.accepted
+    assisted, drafted, accepted, drafters = [], 0, 0, set()
+    with drafting("per-position" if path == "per-token drafts" else "rounds"):
+        for _ in range(n):
+            with sessions_made() as made:
+                assisted.append(target.generate(ids, assistant_model=mtp, num_assistant_tokens=2, **kw)[0, -3:])
+            drafters.add(made[0].drafter)
+            drafted += mtp.last_generation_stats.drafted
+            accepted += mtp.last_generation_stats.accepted
     assisted = torch.stack(assisted)
     assert len(loops) == (n if path == "graphed target" else 0)
+    if path == "per-token drafts":
+        assert drafters == {None}
+    else:  # the sampled rounds of one kept drafter (eager on CPU)
+        assert len(drafters) == 1 and next(iter(drafters)).sampled
     assert 0.15 * drafted < accepted < drafted  # both paths of speculative sampling are exercised
     for i in range(3):
         assert _chi2_pvalue(plain[:, i], assisted[:, i], vocab) > 1e-3, f"token {i} distribution differs"
@@ -232,9 +220,9 @@ def test_bad_inputs_give_clear_errors():
     ids = prompt(6)
     with pytest.raises(ValueError, match="num_assistant_tokens"):
         target.generate(ids, assistant_model=mtp, num_assistant_tokens=0, max_new_tokens=4)
-    with pytest.raises(ValueError, match="max_draft_tokens"):
+    with pytest.raises(ValueError, match=f"exceeds the {mtp.config.max_draft_tokens + 1} drafts per round"):
         target.generate(ids, assistant_model=mtp, num_assistant_tokens=mtp.config.max_draft_tokens + 5, max_new_tokens=4)
-    with pytest.raises(ValueError, match="one sequence at a time"):
+    with pytest.raises(ValueError, match="one sequence per `generate` call.*speculative_generate"):
         target.generate(ids.expand(2, -1), assistant_model=mtp, max_new_tokens=4)
     with pytest.raises(ValueError, match="RollbackDeepseekV4Cache"):
         from transformers import DynamicCache
@@ -305,22 +293,19 @@ def test_reduced_draft_vocabulary_keeps_greedy_output_exact(subset):
     outside = torch.ones(mtp.config.vocab_size, dtype=torch.bool)
     outside[allowed] = False
     assert torch.isneginf(small[..., outside]).all()
-    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    recorded = []
+    recorded = {}
+    for path in PATHS:  # the drafter's rounds draft in the reduced vocabulary, and so does the Chooser
 
-    class Recording(MtpCandidateGenerator):
-        def select(self, processed_logits, sequence):
-            tok = super().select(processed_logits, sequence)
-            recorded.append(int(tok))
-            return tok
+        def record(ids_, drafts, seen=recorded.setdefault(path, [])):
+            seen.extend(drafts.tokens[0].tolist())
+            return drafts
 
-    mtp.candidate_generator_class = Recording
-    try:
-        assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
-    finally:
-        mtp.candidate_generator_class = None
-    assert recorded and set(recorded) <= set(allowed.tolist())
+        with drafting(path), edited_drafts(record):
+            assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+    for path, seen in recorded.items():
+        assert seen and set(seen) <= set(allowed.tolist()), path
     with pytest.raises(ValueError, match="draft vocabulary"):
         mtp.set_draft_vocab([mtp.config.vocab_size])
 
@@ -341,105 +326,58 @@ def test_greedy_assisted_generation_on_cuda_is_identical_to_plain():
 def test_paged_drafter_path_keeps_greedy_output_identical(k):
     """The fast greedy path (whole rounds -- the verified rows' catch-up, the first draft, drafts 2..K --
     through `GraphedDrafter.round` on the paged cache) -- here without the graph, which needs CUDA --
-    gives plain greedy output."""
-
-    class PagedDrafts(MtpCandidateGenerator):
-        fast_drafts = "eager"
-        made = []
-
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            PagedDrafts.made.append(self)
-
+    gives plain greedy output, with the MTP's own drafts and with partly-correct oracle drafts."""
     target, mtp = tiny_pair(seed=20 + k)
     ids = prompt(20 + k)
-    plain = target.generate(ids, max_new_tokens=120, do_sample=False, eos_token_id=None)
-    OracleDrafts.truth, OracleDrafts.wrong_at = plain, {PROMPT_LEN + i for i in range(0, 120, 5)}
+    kw = dict(max_new_tokens=120, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    wrong_at = {PROMPT_LEN + i for i in range(0, 120, 5)} | {PROMPT_LEN + i for i in range(3, 120, 11)}
+    oracle, edits = truth_drafts(plain, wrong_at), []
 
-    class PagedOracle(PagedDrafts):  # partly-correct drafts also on the fast path: accept + reject
-        def _round_result(self, input_ids, tokens, logits):
-            PagedOracle.rounds += 1
-            tokens = tokens.clone()
-            for i in range(tokens.shape[1]):
-                j = input_ids.shape[1] + i
-                tok = int(plain[0, j]) if j < plain.shape[1] else 0
-                tokens[0, i] = (tok + 1) % 320 if j in OracleDrafts.wrong_at else tok
-            return super()._round_result(input_ids, tokens, logits)
+    def partly_correct(ids_, drafts):  # accept + reject on the fast path too
+        edits.append(drafts.tokens.shape[1])
+        return oracle(ids_, drafts)
 
-    PagedOracle.rounds = 0
-
-    for cls in (PagedDrafts, PagedOracle):
-        mtp.candidate_generator_class = cls
-        try:
-            got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=120,
-                                  do_sample=False, eos_token_id=None)
-        finally:
-            mtp.candidate_generator_class = None
+    for edit in (None, partly_correct):
+        with sessions_made() as made, (edited_drafts(edit) if edit else drafting("rounds")):
+            got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, **kw)
         assert torch.equal(got, plain)
-        gen = cls.made[-1]
-        assert gen.drafter is not None and gen.drafter.num_drafts == k - 1  # K = 1: rounds of the catch-up alone
-        assert gen.cache is gen.drafter.cache and not gen.drafter.use_graph
-    assert mtp.last_generation_stats.accepted > 0
-    assert PagedOracle.rounds > 10  # the oracle drafts went through the rounds
+        session = made[-1]
+        d = session.drafter
+        assert d is not None and d.num_drafts == k and d.steps == k - 1  # K = 1: rounds of the catch-up alone
+        assert session.cache is d.cache and not d.use_graph
+    s = mtp.last_generation_stats
+    assert 0 < s.accepted < s.drafted
+    assert len(edits) > 10 and set(edits) == {k}  # the oracle drafts went through the rounds, K drafts each
 
-    # The paged path proposes exactly what the per-token loop on the contiguous cache proposes.
+    # The paged path proposes exactly what the per-position loop on the contiguous cache proposes.
     proposals = {}
-    for mode in (False, "eager"):
-        class Recording(MtpCandidateGenerator):
-            fast_drafts = mode
-
-            def get_candidates(self, input_ids, **kw):
-                seq, logits = super().get_candidates(input_ids, **kw)
-                proposals.setdefault(mode, []).append(seq[0, input_ids.shape[1]:].tolist())
-                return seq, logits
-
-        mtp.candidate_generator_class = Recording
-        try:
+    for path in PATHS:
+        with drafting(path), proposals_recorded() as proposals[path]:
             target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=60, do_sample=False,
                             eos_token_id=None)
-        finally:
-            mtp.candidate_generator_class = None
-    assert proposals[False] == proposals["eager"] and sum(map(len, proposals[False])) > 0
+    assert proposals["rounds"] == proposals["per-position"] and sum(map(len, proposals["rounds"])) > 0
 
 
 def test_the_paged_drafter_is_kept_across_generate_calls():
     """A second generate call reuses the first one's drafter (its CUDA graphs, on CUDA) from a reset cache:
-    it proposes exactly what a fresh per-token loop proposes; a new draft vocabulary gets a new drafter."""
-    proposals, made = {}, []
-
-    def recording(mode):
-        class Recording(MtpCandidateGenerator):
-            fast_drafts = mode
-
-            def __init__(self, *a, **kw):
-                super().__init__(*a, **kw)
-                made.append(self)
-
-            def get_candidates(self, input_ids, **kw):
-                seq, logits = super().get_candidates(input_ids, **kw)
-                proposals.setdefault(mode, []).append(seq[0, input_ids.shape[1]:].tolist())
-                return seq, logits
-        return Recording
-
+    it proposes exactly what a fresh per-position loop proposes; a new draft vocabulary gets a new drafter."""
     target, mtp = tiny_pair(seed=31)
     kw = dict(num_assistant_tokens=3, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    proposals = []
     try:
-        for mode, ids in (("eager", prompt(31)), ("eager", prompt(32)), (False, prompt(32))):
-            if mode is False:
-                proposals.pop(False, None)
-            else:
-                proposals.pop("eager", None)
-            mtp.candidate_generator_class = recording(mode)
-            got = target.generate(ids, assistant_model=mtp, **kw)
-            assert torch.equal(got, target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None))
-        assert made[0].drafter is made[1].drafter and made[2].drafter is None
-        assert proposals["eager"] == proposals[False] and sum(map(len, proposals[False])) > 0
-        mtp.set_draft_vocab(list(range(200)))
-        mtp.candidate_generator_class = recording("eager")
-        target.generate(prompt(31), assistant_model=mtp, **kw)
-        assert made[-1].drafter is not made[0].drafter
+        with sessions_made() as made:
+            for path, ids in (("rounds", prompt(31)), ("rounds", prompt(32)), ("per-position", prompt(32))):
+                with drafting(path), proposals_recorded() as seen:
+                    got = target.generate(ids, assistant_model=mtp, **kw)
+                proposals.append(seen)
+                assert torch.equal(got, target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None))
+            assert made[0].drafter is not None and made[0].drafter is made[1].drafter and made[2].drafter is None
+            assert proposals[1] == proposals[2] and sum(map(len, proposals[1])) > 0
+            mtp.set_draft_vocab(list(range(200)))
+            target.generate(prompt(31), assistant_model=mtp, **kw)
+            assert made[-1].drafter is not None and made[-1].drafter is not made[0].drafter
     finally:
-        mtp.candidate_generator_class = None
         mtp.set_draft_vocab(None)
 
 
@@ -451,42 +389,40 @@ def test_greedy_generate_on_cuda_uses_the_graphed_drafter_and_stays_exact():
     ids = prompt(14).cuda()
     kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens=3, **kw)
+    got, session = generate_recording_session(target, mtp, ids, num_assistant_tokens=3, **kw)
     assert torch.equal(got, plain)
-    d = generator.drafter
+    d = session.drafter
     assert d is not None and d.use_graph and d.round_graphs  # whole rounds replayed as graphs
     assert set(d.round_graphs) <= set(range(1, d.max_round_rows + 1))
-    assert generator.drafter.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
+    assert d.compiled  # torch.compile'd step inside the graph (fp32: reference attention)
 
 
-def test_long_prompt_mtp_prefill_in_blocks_is_exact():
+@pytest.mark.parametrize("path", PATHS)
+def test_long_prompt_mtp_prefill_in_blocks_is_exact(path, monkeypatch):
     """Greedy output cannot reveal a wrong draft (the verifier corrects it), so compare the
     MTP's own draft logits with and without block-wise prefill of a long prompt."""
-
-    def recorder(chunk):
-        class Recording(MtpCandidateGenerator):
-            prefill_chunk = chunk
-            seen = []
-
-            def _process(self, logits, sequence):
-                Recording.seen.append(logits.clone())
-                return super()._process(logits, sequence)
-
-        return Recording
-
     target, mtp = tiny_pair(seed=15)
     ids = prompt(15, length=40)
-    kw = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    kw = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)
-    runs = []
-    for chunk in (2048, 7):  # 7: the prompt's 40 rows go through the MTP cache in 6 blocks
-        cls = recorder(chunk)
-        mtp.candidate_generator_class = cls
-        try:
-            assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
-        finally:
-            mtp.candidate_generator_class = None
-        runs.append(cls.seen)
-    assert len(runs[0]) == len(runs[1]) > 10
+    runs, blocks = [], []
+    hook = mtp.register_forward_pre_hook(lambda m, args: blocks.append(args[0].shape[1]))  # MTP forwards' rows
+    try:
+        for chunk in (2048, 7):  # 7: the prompt's 40 MTP rows go through the MTP cache in 6 blocks
+            monkeypatch.setattr(mtp_session, "PREFILL_CHUNK", chunk)
+            seen = []
+
+            def record(ids_, drafts):
+                seen.append(drafts.logits.clone())
+                return drafts
+
+            blocks.clear()
+            with drafting(path), edited_drafts(record):
+                assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+            assert blocks[: 1 if chunk > 40 else 6] == ([40] if chunk > 40 else [7] * 5 + [5])  # the case under test
+            runs.append(seen)
+    finally:
+        hook.remove()
+    assert len(runs[0]) == len(runs[1]) > 5
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

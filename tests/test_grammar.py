@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from dsv4_mtp_hf.generation import MtpCandidateGenerator
+from dsv4_mtp_hf.generation import round as rounds
+from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator
 
-from .helpers import tiny_pair
+from .helpers import proposals_recorded, tiny_pair
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -98,31 +99,35 @@ def allowed_ids(bitmask) -> torch.Tensor:
     return bits.reshape(-1)[: len(VOCAB)].bool()
 
 
-class VerifierOnly(MtpCandidateGenerator):
-    """Drafts ignore the grammar; only the verifier applies it."""
+def verifier_only(monkeypatch):
+    """Drafts ignore the grammar (the Chooser skips the call's processors); only the verifier applies it."""
+    monkeypatch.setattr(rounds.Chooser, "process", lambda self, logits, prefix: logits.float())
 
-    process_drafts = False
 
+def fixed_mask(monkeypatch):
+    """What serving stacks do: the mask of the round's first draft position, held fixed for the round."""
+    process, get_candidates = rounds.Chooser.process, DraftCandidateGenerator.get_candidates
+    state = {}
 
-class FixedMask(MtpCandidateGenerator):
-    """What serving stacks do: the mask of the round's first draft position, held fixed."""
+    def start_round(self, input_ids, *a, **kw):
+        state["start"] = input_ids.shape[1]
+        return get_candidates(self, input_ids, *a, **kw)
 
-    def _process(self, logits, sequence):
-        processed = super()._process(logits, sequence)
-        if sequence.shape[1] == self.last_input_length:
-            self._fixed = torch.isneginf(processed)
+    def masked(self, logits, prefix):
+        if prefix.shape[1] == state["start"]:  # the round's first draft position
+            processed = process(self, logits, prefix)
+            state["fixed"] = torch.isneginf(processed)
             return processed
-        return logits.float().masked_fill(self._fixed, float("-inf"))
+        return logits.float().masked_fill(state["fixed"], float("-inf"))
+
+    monkeypatch.setattr(DraftCandidateGenerator, "get_candidates", start_round)
+    monkeypatch.setattr(rounds.Chooser, "process", masked)
 
 
-def assisted(target, mtp, ids, grammar, generator_class=None, k=3, **kw):
+def assisted(target, mtp, ids, grammar, k=3, **kw):
     processor = XGrammarLogitsProcessor(grammar, max_rollback_tokens=k)
-    mtp.candidate_generator_class = generator_class
-    try:
-        out = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k,
-                              logits_processor=LogitsProcessorList([processor]), **kw)
-    finally:
-        mtp.candidate_generator_class = None
+    out = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k,
+                          logits_processor=LogitsProcessorList([processor]), **kw)
     return out, mtp.last_generation_stats, processor
 
 
@@ -184,7 +189,7 @@ def test_processor_masks_padded_vocab_and_batches(grammar):
 
 # -- in generate ---------------------------------------------------------------------------------
 @pytest.mark.tf_internals
-def test_constrained_assisted_greedy_equals_plain_and_per_position_masking_raises_acceptance(grammar):
+def test_constrained_assisted_greedy_equals_plain_and_per_position_masking_raises_acceptance(grammar, monkeypatch):
     kw = dict(max_new_tokens=80, do_sample=False)
     totals = {"per_position": [0, 0], "fixed_mask": [0, 0], "verifier_only": [0, 0]}
     for seed in range(3):
@@ -194,8 +199,11 @@ def test_constrained_assisted_greedy_equals_plain_and_per_position_masking_raise
         assert int(plain[0, -1]) == EOS  # the grammar completed and allowed only the stop token
         doc = json.loads(text(plain))
         assert set(doc) == set(SCHEMA["required"]) and doc["city"] in ("paris", "rome", "oslo")
-        for name, cls in [("per_position", None), ("fixed_mask", FixedMask), ("verifier_only", VerifierOnly)]:
-            out, stats, processor = assisted(target, mtp, ids, grammar, cls, **kw)
+        for name, patch in [("per_position", None), ("fixed_mask", fixed_mask), ("verifier_only", verifier_only)]:
+            with monkeypatch.context() as m:
+                if patch is not None:
+                    patch(m)
+                out, stats, processor = assisted(target, mtp, ids, grammar, **kw)
             assert torch.equal(out, plain), (seed, name)
             totals[name][0] += stats.accepted
             totals[name][1] += stats.drafted
@@ -210,48 +218,52 @@ def test_constrained_assisted_greedy_equals_plain_and_per_position_masking_raise
     assert rates["per_position"] > rates["verifier_only"] + 0.2
 
 
-class CheckedRounds(MtpCandidateGenerator):
-    """After every round: the grammar matcher equals a fresh matcher fed the verified prefix.
-    Records the draft masks of each round."""
+def checked_rounds(monkeypatch, grammar, log):
+    """After every round: the grammar matcher equals a fresh matcher fed the verified prefix.  Records in ``log``
+    each round's drafts, accepted count and the draft masks of its positions."""
+    process, get_candidates = rounds.Chooser.process, DraftCandidateGenerator.get_candidates
+    update = DraftCandidateGenerator.update_candidate_strategy
+    masks = []
 
-    grammar = None
-    log: list = []
-
-    def _process(self, logits, sequence):
-        processed = super()._process(logits, sequence)
-        self._round_masks.append(torch.isfinite(processed[0]))
+    def recording_process(self, logits, prefix):
+        processed = process(self, logits, prefix)
+        masks.append(torch.isfinite(processed[0]))
         return processed
 
-    def get_candidates(self, input_ids, **kw):
-        self._round_masks = []
-        return super().get_candidates(input_ids, **kw)
+    def start_round(self, input_ids, *a, **kw):
+        masks.clear()
+        return get_candidates(self, input_ids, *a, **kw)
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches):
-        super().update_candidate_strategy(input_ids, scores, num_matches)
+    def checked_update(self, input_ids, scores, num_matches):
+        update(self, input_ids, scores, num_matches)
         processor = next(p for p in self.logits_processor if isinstance(p, XGrammarLogitsProcessor))
         verified = input_ids[0, PROMPT_LEN:].tolist()
         assert processor.accepted_tokens() == verified
         matcher = processor.matcher()
-        want = fresh_bitmask(self.grammar, verified)
+        want = fresh_bitmask(grammar, verified)
         if want is None:
             assert matcher.is_terminated()
         else:
             got = xgr.allocate_token_bitmask(1, len(VOCAB))
             matcher.fill_next_token_bitmask(got)
             assert torch.equal(got, want)
-        CheckedRounds.log.append((self.last_drafted, int(num_matches), list(self._round_masks)))
+        log.append((self.last_drafted, int(num_matches), list(masks)))
+
+    monkeypatch.setattr(rounds.Chooser, "process", recording_process)
+    monkeypatch.setattr(DraftCandidateGenerator, "get_candidates", start_round)
+    monkeypatch.setattr(DraftCandidateGenerator, "update_candidate_strategy", checked_update)
 
 
 @pytest.mark.tf_internals
-def test_multi_token_drafts_cross_grammar_states_and_roll_back_after_rejection(grammar):
+def test_multi_token_drafts_cross_grammar_states_and_roll_back_after_rejection(grammar, monkeypatch):
     target, mtp = tiny_pair(seed=1)
     ids = prompt(1)
     kw = dict(max_new_tokens=80, do_sample=False)
     plain = target.generate(ids, logits_processor=LogitsProcessorList([XGrammarLogitsProcessor(grammar)]), **kw)
-    CheckedRounds.grammar, CheckedRounds.log = grammar, []
-    out, stats, processor = assisted(target, mtp, ids, grammar, CheckedRounds, k=4, **kw)
+    log = []
+    checked_rounds(monkeypatch, grammar, log)
+    out, stats, processor = assisted(target, mtp, ids, grammar, k=4, **kw)
     assert torch.equal(out, plain)
-    log = CheckedRounds.log
     assert len(log) > stats.rounds  # every round was checked (the prefill round drafts nothing)
     # rounds whose accepted drafts were masked with different grammar states
     crossing = [m for d, n, m in log if n >= 2 and any(not torch.equal(m[0], x) for x in m[1:n])]
@@ -262,7 +274,7 @@ def test_multi_token_drafts_cross_grammar_states_and_roll_back_after_rejection(g
 
 
 @pytest.mark.tf_internals
-def test_position_without_allowed_token_ends_the_round_with_no_junk_draft(grammar):
+def test_position_without_allowed_token_ends_the_round_with_no_junk_draft(grammar, monkeypatch):
     target, mtp = tiny_pair(seed=2)
     # The draft vocabulary has no token containing a quote: wherever the grammar needs one,
     # the processed draft logits are all -inf.
@@ -271,17 +283,17 @@ def test_position_without_allowed_token_ends_the_round_with_no_junk_draft(gramma
     kw = dict(max_new_tokens=80, do_sample=False)
     plain = target.generate(ids, logits_processor=LogitsProcessorList([XGrammarLogitsProcessor(grammar)]), **kw)
     drafted = []
+    get_candidates = DraftCandidateGenerator.get_candidates
 
-    class Recording(MtpCandidateGenerator):
-        def get_candidates(self, input_ids, **kw):
-            Recording.last = self
-            candidates, logits = super().get_candidates(input_ids, **kw)
-            new = candidates[0, input_ids.shape[1]:]
-            if new.numel():  # the processed logit of every drafted token, as handed to the verifier
-                drafted.extend(logits[0, torch.arange(new.numel()), new].tolist())
-            return candidates, logits
+    def recording(self, input_ids, *a, **kw):
+        candidates, logits = get_candidates(self, input_ids, *a, **kw)
+        new = candidates[0, input_ids.shape[1]:]
+        if new.numel():  # the processed logit of every drafted token, as handed to the verifier
+            drafted.extend(logits[0, torch.arange(new.numel()), new].tolist())
+        return candidates, logits
 
-    out, stats, processor = assisted(target, mtp, ids, grammar, Recording, **kw)
+    monkeypatch.setattr(DraftCandidateGenerator, "get_candidates", recording)
+    out, stats, processor = assisted(target, mtp, ids, grammar, **kw)
     assert torch.equal(out, plain)
     assert stats.rounds_stopped_by_processor > 0
     assert len(drafted) == stats.drafted and all(v > float("-inf") for v in drafted)
@@ -294,7 +306,7 @@ def test_constrained_speculative_sampling_stays_in_the_grammar(grammar):
     target, mtp = tiny_pair(seed=3)
     ids = prompt(3)
     torch.manual_seed(0)
-    out, stats, processor = assisted(target, mtp, ids, grammar, None, max_new_tokens=80, do_sample=True, temperature=0.8)
+    out, stats, processor = assisted(target, mtp, ids, grammar, max_new_tokens=80, do_sample=True, temperature=0.8)
     assert int(out[0, -1]) == EOS
     doc = json.loads(text(out))
     assert set(doc) == set(SCHEMA["required"])
@@ -302,18 +314,22 @@ def test_constrained_speculative_sampling_stays_in_the_grammar(grammar):
 
 
 @pytest.mark.tf_internals
-def test_a_forbidden_token_from_a_custom_select_is_never_drafted(grammar):
+def test_a_forbidden_token_from_a_custom_select_is_never_drafted(grammar, monkeypatch):
     target, mtp = tiny_pair(seed=4)
     ids = prompt(4)
     kw = dict(max_new_tokens=30, do_sample=False)
     plain = target.generate(ids, logits_processor=LogitsProcessorList([XGrammarLogitsProcessor(grammar)]), **kw)
 
-    class AlwaysBos(MtpCandidateGenerator):
-        def select(self, processed_logits, sequence):
-            AlwaysBos.last = self
-            return torch.tensor([[0]])  # special token: the grammar never allows it
+    chosen = []
 
-    out, stats, processor = assisted(target, mtp, ids, grammar, AlwaysBos, **kw)
+    def always_bos(self, processed):
+        chosen.append(0)
+        return torch.tensor([[0]])  # special token: the grammar never allows it
+
+    monkeypatch.setattr(rounds.Chooser, "select", always_bos)
+    with proposals_recorded() as proposed:
+        out, stats, processor = assisted(target, mtp, ids, grammar, **kw)
+    assert chosen and not any(proposed)  # chosen every round, never drafted
     assert torch.equal(out, plain)
     assert stats.drafted == 0 and stats.rounds_stopped_by_processor > 0
     assert processor.stats.rejected_prefix_calls == 0

@@ -86,10 +86,13 @@ def test_cache_memory_is_bounded_by_window_plus_drafts():
             mtp(ids[:, p : p + 1], hs[:, p : p + 1], past_key_values=cache)
             assert cache.kv.shape[1] <= mtp.config.sliding_window - 1 + 4
     cache.crop(60)
+    assert cache.get_seq_length() == 60
     with pytest.raises(ValueError, match="max_draft_tokens"):
         cache.crop(50)
-    with pytest.raises(ValueError, match="cannot crop"):
-        cache.crop(61)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(61)
+    cache.crop(0)  # transformers' convention: removes nothing (the same verb as on the target's cache)
+    assert cache.get_seq_length() == 60
 
 
 def test_bad_inputs_raise_errors_that_name_the_problem():

@@ -6,7 +6,7 @@ import torch
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import speculative_generate
 
-from .helpers import generate_recording_candidates, tiny_pair
+from .helpers import generate_recording_session, tiny_pair
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the nvidia-h200-x2 machine)")
 
@@ -40,7 +40,7 @@ def test_split_target_greedy_assisted_and_batched_equal_plain():
         got = target.generate(p[None].to("cuda:0"), assistant_model=mtp, num_assistant_tokens=3, **kw)
         assert torch.equal(got[0, p.numel():].cpu(), want)
         assert mtp.last_generation_stats.rounds > 0
-    out = speculative_generate(target, mtp, prompts, max_new_tokens=40, num_draft_tokens=3, eos_token_id=[])
+    out = speculative_generate(target, mtp, prompts, max_new_tokens=40, num_assistant_tokens=3, eos_token_id=[])
     for got, want in zip(out.new_tokens, plain):
         assert torch.equal(got, want)
     # Nothing was copied: the MTP reads the target's own embedding and head.
@@ -70,8 +70,8 @@ def test_graphed_split_target_replays_per_device_segment_and_stays_exact():
     graphs = graph_target(target, max_length=128, max_rollback=3)
     assert [(sg.device.index, sg.layers) for sg in graphs.segments] == [(1, []), (0, [0, 1]), (1, [2])]
     assert torch.equal(target.generate(ids, **kw), plain)
-    got, generator = generate_recording_candidates(target, mtp, ids, num_assistant_tokens=3, **kw)
+    got, session = generate_recording_session(target, mtp, ids, num_assistant_tokens=3, **kw)
     assert torch.equal(got, plain)
-    assert generator.drafter is not None and generator.drafter.round_graphs  # the MTP's rounds graphed too
+    assert session.drafter is not None and session.drafter.round_graphs  # the MTP's rounds graphed too
     assert {1, 4} <= set(graphs._graphs) and all(len(gs) == 3 for gs in graphs._graphs.values())
     ungraph_target(target)

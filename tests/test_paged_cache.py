@@ -42,9 +42,9 @@ def test_ragged_rollback_matches_one_contiguous_cache_per_sequence(page_size):
             if step:  # per-sequence acceptance: each sequence keeps a different number of rows
                 keep = torch.tensor([torch.randint(0, s + 1, (1,), generator=gen).item() for _ in range(b)])
                 new_len = paged.seq_lengths - s + keep
-                paged.crop(new_len)
+                paged.truncate(new_len)
                 for i in range(b):
-                    singles[i].crop(int(new_len[i]))
+                    singles[i].truncate(int(new_len[i]))
     assert len(set(paged.seq_lengths.tolist())) > 1  # the batch really is ragged
     assert paged.pool.shape[0] == b * paged.pages_per_sequence  # memory never grew
 
@@ -68,24 +68,26 @@ def test_crop_is_bounded_by_the_ring_and_validated():
     cache = PagedMtpKVCache(sliding_window=8, head_dim=4, batch_size=2, max_draft_tokens=3, page_size=2)
     for _ in range(30):
         cache.update(torch.randn(2, 1, 4))
-    cache.crop(torch.tensor([27, 30]))
+    cache.truncate(torch.tensor([27, 30]))
     assert cache.seq_lengths.tolist() == [27, 30]
     cache.crop(-2)
     assert cache.seq_lengths.tolist() == [25, 28]
+    cache.crop(0)  # transformers' convention: removes nothing
+    assert cache.seq_lengths.tolist() == [25, 28]
     with pytest.raises(ValueError, match="max_draft_tokens"):
-        cache.crop(torch.tensor([25, 10]))
-    with pytest.raises(ValueError, match="cannot crop"):
-        cache.crop(torch.tensor([26, 28]))
+        cache.truncate(torch.tensor([25, 10]))
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(torch.tensor([26, 28]))
 
 
 def test_graphed_drafter_eager_steps_match_the_contiguous_cache():
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     _, mtp = tiny_pair(max_draft_tokens=4)
     gen = torch.Generator().manual_seed(0)
     ids, hs = step_inputs(mtp, 2, 9, gen)
     paged = mtp.new_cache(paged=True, batch_size=2)
-    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=4)
     with torch.no_grad():
         mtp(ids[:, :-1], hs[:, :-1], past_key_values=paged)
         drafter.tokens.copy_(ids[:, -1:])
@@ -111,7 +113,7 @@ def test_graphed_drafter_eager_steps_match_the_contiguous_cache():
 
 @pytest.mark.gpu
 def test_graphed_drafter_replay_equals_eager_on_cuda():
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     # sizes the Triton FP4 MoE tiles (the reference MoE synchronises and cannot be captured)
     target, mtp = tiny_pair(max_draft_tokens=4, target_overrides=dict(hidden_size=256, moe_intermediate_size=256))
@@ -122,7 +124,7 @@ def test_graphed_drafter_replay_equals_eager_on_cuda():
     paged = mtp.new_cache(paged=True, batch_size=2)
     with torch.no_grad():
         mtp(ids[:, :-2], hs[:, :-2], past_key_values=paged)
-    drafter = GraphedDrafter(mtp, paged, num_drafts=3)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=4)
     drafter.tokens.copy_(ids[:, -2:-1])
     drafter.residual.copy_(hs[:, -2:-1])
     drafter.capture()
@@ -156,12 +158,12 @@ def _round_case(device, sizes=None):
 def test_round_is_the_catch_up_forward_then_the_draft_steps(steps):
     """`GraphedDrafter.round` (eager here) = the plain forward over the verified rows, its greedy draft, then
     the chained draft steps (none for K = 1), on the same cache."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cpu")
     ids, hs = ids[:, : steps + 2], hs[:, : steps + 2]  # the most verified rows a round of K = steps + 1 has
     lengths = paged.seq_lengths.clone()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=steps)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps + 1)
     drafter.use_graph = False
     with torch.no_grad():
         got_d, got_l = drafter.round(ids, hs)
@@ -189,11 +191,11 @@ def test_round_is_the_catch_up_forward_then_the_draft_steps(steps):
 @pytest.mark.parametrize("compile,steps", [(False, 2), (True, 2), (True, 0)],
                          ids=["uncompiled", "compiled", "compiled K=1"])
 def test_round_graphs_replay_their_eager_rounds_on_cuda(compile, steps):
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
     lengths = paged.seq_lengths.clone()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, compile=compile)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps + 1, compile=compile)
     big = min(3, steps + 2)
     for rows in (big, 1, big):  # a graph per row count, the first one replayed again
         paged.seq_lengths.copy_(lengths)
@@ -237,7 +239,7 @@ def _first_draft_fits(firsts, q0):
 def _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked, **tolerance):
     """300 rounds from one cache state: each round's shapes, the q of the rounds in ``checked`` against the
     eager recomputation for the drafts they drew, then the first drafts' fit to q."""
-    lengths, firsts, steps = paged.seq_lengths.clone(), [], drafter.num_drafts
+    lengths, firsts, steps = paged.seq_lengths.clone(), [], drafter.steps
     with torch.no_grad():
         for trial in range(300):
             paged.seq_lengths.copy_(lengths)
@@ -261,17 +263,17 @@ def _warpers():
 def test_a_sampled_round_draws_from_the_processed_distribution_it_hands_back(steps):
     """`sampled=True` (eager here): every draft is drawn from the warped MTP distribution at its prefix, and that
     processed distribution is what the round returns -- the q that makes speculative sampling exact."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cpu")
     ids, hs, warpers = ids[:, : steps + 2], hs[:, : steps + 2], _warpers()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, sampled=True, warpers=warpers)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps + 1, sampled=True, warpers=warpers)
     drafter.use_graph = False
     _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked=(0, 1, 2))
     with pytest.raises(ValueError, match="graph-safe"):
         from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-        GraphedDrafter(mtp, paged, num_drafts=steps, sampled=True, warpers=[RepetitionPenaltyLogitsProcessor(1.1)])
+        GraphedDrafter(mtp, paged, num_drafts=steps + 1, sampled=True, warpers=[RepetitionPenaltyLogitsProcessor(1.1)])
 
 
 @pytest.mark.gpu
@@ -279,11 +281,11 @@ def test_a_sampled_round_draws_from_the_processed_distribution_it_hands_back(ste
 def test_sampled_round_graphs_draw_afresh_at_every_replay_on_cuda(steps):
     """The sampled round graph's RNG advances at each replay: its first drafts from one cache state follow the
     processed distribution, and each replay's q is the eager recomputation's for the drafts it drew."""
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     mtp, paged, ids, hs = _round_case("cuda", dict(hidden_size=256, moe_intermediate_size=256))
     ids, hs, warpers = ids[:, : steps + 2], hs[:, : steps + 2], _warpers()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=steps, compile=True, sampled=True, warpers=warpers)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=steps + 1, compile=True, sampled=True, warpers=warpers)
     _sampled_rounds(mtp, drafter, paged, ids, hs, warpers, checked=(1, 101, 201), rtol=1e-4, atol=1e-4)
     assert len(drafter.round_graphs) == 1
 

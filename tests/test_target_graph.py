@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
-from dsv4_mtp_hf.generation import (CacheRollbackError, GraphedTargetCache, MtpCandidateGenerator,
-                                    RollbackDeepseekV4Cache, mtp_decoding)
+from dsv4_mtp_hf.generation import (CacheRollbackError, Drafts, GraphedTargetCache, RollbackDeepseekV4Cache,
+                                    mtp_decoding)
 from dsv4_mtp_hf.target import graph as target_graph
 from dsv4_mtp_hf.compat import cache_kwarg as _cache_kwarg
 
-from .helpers import draw_until_clear, tiny_pair
+from .helpers import draw_until_clear, edited_drafts, tiny_pair, truth_drafts
 
 TOL = 3e-5  # float32, as the batched attention's tests (the same arithmetic in another summation order)
 SEED = 2026
@@ -89,49 +89,49 @@ def test_a_prompt_computes_the_same_on_the_targets_first_forward_and_later_ones(
     graphs = graph_target(target, max_length=64)
     ids, name = ids_of(SEED, 13), _cache_kwarg(target)
     first = target(ids, **{name: graphs.new_cache()}).logits
-    first_residual = graphs.take_residual()
+    first_features = graphs.take_features()
     again = target(ids, **{name: graphs.new_cache()}).logits
-    assert torch.equal(first, again) and torch.equal(first_residual, graphs.take_residual())
+    assert first_features.shape[:3] == (1, 13, 1)  # the last layer's output at every row (what the MTP reads)
+    assert torch.equal(first, again) and torch.equal(first_features, graphs.take_features())
 
 
-class TruthWithMistakes(MtpCandidateGenerator):
-    """Drafts the target's greedy continuation (``truth``) with a mistake at each position of ``wrong_at``,
-    on both drafting paths (the round graph's, run eagerly on CPU, and the per-token one of K=1); the real
-    MTP still runs and fills, rolls back and recomputes its cache."""
+def truth_with_mistakes(truth: torch.Tensor, wrong_at: set, sampled: bool = False):
+    """An ``edited_drafts`` edit: the target's greedy continuation ``truth`` with a mistake at each position of
+    ``wrong_at`` (the real MTP still runs and fills, rolls back and recomputes its cache).  ``sampled``: each draft
+    comes with the one-hot distribution it was "drawn" from, so a right draft is accepted and a wrong one rejected."""
+    oracle = truth_drafts(truth, wrong_at)
 
-    fast_drafts = "eager"
-    truth: torch.Tensor = None
-    wrong_at: set = set()
+    def edit(ids, drafts):
+        drafts = oracle(ids, drafts)
+        if sampled:
+            q = torch.full_like(drafts.logits, float("-inf")).scatter_(
+                -1, drafts.tokens.unsqueeze(-1).to(drafts.logits.device), 0.0)
+            drafts = Drafts(drafts.tokens, q, drafts.confidences)
+        return drafts
 
-    def _draft(self, at: int, tokens: torch.Tensor) -> torch.Tensor:
-        truth = self.truth[0, at : at + tokens.shape[1]].tolist()
-        out = [t + 1 if at + i in self.wrong_at else t for i, t in enumerate(truth)]
-        return torch.tensor([out + tokens[0, len(out):].tolist()], device=tokens.device)
-
-    def _round_result(self, input_ids, tokens, logits):
-        return super()._round_result(input_ids, self._draft(input_ids.shape[1], tokens), logits)
-
-    def select(self, processed_logits, sequence):
-        return self._draft(sequence.shape[1], torch.zeros(1, 1, dtype=torch.long))
+    return edit
 
 
-def _loop_case(seed, drafts, new_tokens, monkeypatch):
-    """A graphed tiny target whose MTP drafts through ``drafts`` (a :class:`TruthWithMistakes`): its plain
-    greedy output, a mistake at ~30% of the positions, and the list that counts the calls our loop serves."""
+def _loop_case(seed, new_tokens, monkeypatch, sampled=False):
+    """A graphed tiny target whose MTP drafts the plain greedy output with a mistake at ~30% of the positions
+    (:func:`truth_with_mistakes`, for the test's duration), its plain greedy output, and the list that counts the
+    calls our loop serves."""
     from dsv4_mtp_hf.generation import assisted_loop
+    from dsv4_mtp_hf.generation.mtp_session import MtpSession
 
     print(f"seed={seed}")
     target, mtp = tiny_pair(seed=seed)
     ids = ids_of(seed, 9)
     plain = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     rng = random.Random(seed)
-    drafts.truth = plain
-    drafts.wrong_at = {p for p in range(9, 9 + new_tokens) if rng.random() < 0.3}
+    wrong_at = {p for p in range(9, 9 + new_tokens) if rng.random() < 0.3}
     graph_target(target, max_length=128)
     loops = []
     real = assisted_loop.decode
     monkeypatch.setattr(assisted_loop, "decode", lambda *a, **kw: loops.append(1) or real(*a, **kw))
-    monkeypatch.setattr(mtp, "candidate_generator_class", drafts)
+    with edited_drafts(truth_with_mistakes(plain, wrong_at, sampled)):
+        edited = MtpSession._draft
+    monkeypatch.setattr(MtpSession, "_draft", edited)  # the edit, undone with the test's monkeypatch
     return target, mtp, ids, plain, loops
 
 
@@ -143,7 +143,7 @@ def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypat
     EOS as plain cuts it, the streamer sees what the call returns, and the statistics count what happened."""
     from transformers.generation.streamers import BaseStreamer
 
-    target, mtp, ids, plain, loops = _loop_case(SEED + 20, TruthWithMistakes, 60, monkeypatch)
+    target, mtp, ids, plain, loops = _loop_case(SEED + 20, 60, monkeypatch)
 
     class Collect(BaseStreamer):
         def __init__(self):
@@ -175,16 +175,6 @@ def test_our_loop_serves_greedy_calls_on_the_graphed_target_exactly(k, monkeypat
     assert len(loops) == 7  # transformers' loop served it
 
 
-class SampledTruthWithMistakes(TruthWithMistakes):
-    """:class:`TruthWithMistakes` for sampled calls: each draft comes with the one-hot distribution it was
-    "drawn" from, so a right draft is accepted and a wrong one rejected."""
-
-    def _round_result(self, input_ids, tokens, logits):
-        drafts = self._draft(input_ids.shape[1], tokens)
-        q = torch.full_like(logits, float("-inf")).scatter_(-1, drafts.unsqueeze(-1).to(logits.device), 0.0)
-        return MtpCandidateGenerator._round_result(self, input_ids, drafts, q)
-
-
 @pytest.mark.tf_internals
 @pytest.mark.parametrize("k", [1, 3])
 def test_our_loop_serves_sampled_calls_on_the_graphed_target(k, monkeypatch):
@@ -192,7 +182,7 @@ def test_our_loop_serves_sampled_calls_on_the_graphed_target(k, monkeypatch):
     equal plain greedy generate at every length, accepting the right drafts and rejecting the wrong ones; a
     processor that reads the sequence (repetition penalty) goes to transformers' loop."""
     seed = SEED + 21
-    target, mtp, ids, plain, loops = _loop_case(seed, SampledTruthWithMistakes, 40, monkeypatch)
+    target, mtp, ids, plain, loops = _loop_case(seed, 40, monkeypatch, sampled=True)
     kw = dict(do_sample=True, top_k=1, temperature=0.7, top_p=0.9, eos_token_id=None)
     for n in (1, 4, 40):
         got = target.generate(ids, assistant_model=mtp, num_assistant_tokens=k, max_new_tokens=n, **kw)
