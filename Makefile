@@ -6,7 +6,7 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 # torch 2.13.0 is the CPU build on this machine's disk: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: test test-newest test-517 demo test-gpu bench clean
+.PHONY: test test-newest test-517 test-slow demo test-gpu bench clean
 
 # The two suites run side by side (one torch thread each: tests/conftest.py), each one's output printed whole.
 test:
@@ -30,13 +30,17 @@ $(VENV517)/.installed: pyproject.toml
 	$(VENV517)/bin/pip install $(PIP_FLAGS) --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 	touch $@
 
-# The whole CPU suite on the newest transformers 5.x (GPU tests skip without CUDA).
+# The whole CPU suite on the newest transformers 5.x (GPU tests skip without CUDA; the long ones: test-slow).
 test-newest: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests -q
+	$(VENV)/bin/python -m pytest tests -q -m "not slow"
+
+# Long CPU runs (the larger rollback fuzz, the second sampling-distribution paths).
+test-slow: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests -q -m slow
 
 # Tests that touch transformers internals, again on transformers 5.17.0.
 test-517: $(VENV517)/.installed
-	$(VENV517)/bin/python -m pytest tests -q -m tf_internals
+	$(VENV517)/bin/python -m pytest tests -q -m "tf_internals and not slow"
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dsv4_mtp_hf.demo

@@ -165,7 +165,7 @@ def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label,
         checks[f"{label} B={b}: padded batch equal to per-sequence plain greedy (of {n_ref})"] = sum(
             refs[i] == plain_b[i].tolist() for i in range(n_ref))
         for attn in attentions:
-            kw = dict(max_new_tokens=new_tokens, num_draft_tokens=k, eos_token_id=[], target_attention=attn)
+            kw = dict(max_new_tokens=new_tokens, num_assistant_tokens=k, eos_token_id=[], target_attention=attn)
             out = speculative_generate(target, mtp, prompts, **kw)
             truth = [t.tolist() for t in out.new_tokens]
             t_spec = wall(lambda: speculative_generate(target, mtp, prompts, **kw), repeats)
@@ -220,7 +220,7 @@ def main():
         plain = target.generate(prompt, **kw)
         assisted = target.generate(prompt, assistant_model=mtp, num_assistant_tokens=args.k, **kw)
         batched = speculative_generate(target, mtp, [prompt[0].cpu()], max_new_tokens=args.new_tokens,
-                                       num_draft_tokens=args.k, eos_token_id=[])
+                                       num_assistant_tokens=args.k, eos_token_id=[])
         checks["split target: assisted == plain greedy"] = bool(torch.equal(assisted, plain))
         checks["split target: speculative_generate == plain greedy"] = bool(
             torch.equal(batched.new_tokens[0], plain[0, 100:].cpu()))

@@ -29,7 +29,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM
-from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 from dsv4_mtp_hf.layers.rope import rope_cos_sin
 from dsv4_mtp_hf.ops import fp4_moe_reference
 
@@ -358,7 +358,7 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
             mtp.config.attention_backend = "reference"
             paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
             with hand_written_kernels(False):
-                plain = GraphedDrafter(mtp, paged, num_drafts=k)
+                plain = GraphedDrafter(mtp, paged, num_drafts=k + 1)
                 plain.tokens.copy_(pids[:, -1:]); plain.residual.copy_(phs[:, -1:])
                 want_d, want_l = plain.run_eager()
                 paged.seq_lengths.copy_(lengths)
@@ -369,7 +369,7 @@ def measure_compiled(mtp, args, gen, floor_of, results, checks, floors) -> None:
             mtp.config.attention_backend = attn  # the oracle above ran the reference attention
             with hand_written_kernels(fused):
                 t0 = time.perf_counter()
-                drafter = GraphedDrafter(mtp, paged, num_drafts=k, compile=True)
+                drafter = GraphedDrafter(mtp, paged, num_drafts=k + 1, compile=True)
                 drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
                 drafter.capture()
                 compile_s = time.perf_counter() - t0
@@ -416,7 +416,7 @@ def measure_rounds(mtp, args, gen, results, checks, floors, floor_of) -> None:
     ids = torch.randint(0, c.vocab_size, (1, 4), device=dev)
     hs = torch.randn(1, 4, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
     t0 = time.perf_counter()
-    drafter = GraphedDrafter(mtp, paged, num_drafts=2, draft_vocab=True, compile=True)
+    drafter = GraphedDrafter(mtp, paged, num_drafts=3, draft_vocab=True, compile=True)
     for n in (1, 2, 3, 4):
         label = f"ours: whole round (catch-up of {n} rows + K=3 drafts), compiled + CUDA graph"
 
@@ -475,7 +475,7 @@ def measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of
         try:
             mtp.config.attention_backend = attn
             paged, pids, phs, lengths = prefilled_paged_cache(mtp, bsz, args.context, gen)
-            drafter = GraphedDrafter(mtp, paged, num_drafts=k)
+            drafter = GraphedDrafter(mtp, paged, num_drafts=k + 1)
             drafter.tokens.copy_(pids[:, -1:]); drafter.residual.copy_(phs[:, -1:])
             want_d, want_l = drafter.run_eager()
             paged.seq_lengths.copy_(lengths)

@@ -47,16 +47,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, left_pad  # noqa: E402
+from draft_step import fill_random_  # noqa: E402
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
-from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
-from dsv4_mtp_hf.generation.candidate import MtpCandidateGenerator  # noqa: E402
+from dsv4_mtp_hf.generation import Drafts, speculative_generate  # noqa: E402
+from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator  # noqa: E402
+from dsv4_mtp_hf.generation.drafter import session_class  # noqa: E402
+from dsv4_mtp_hf.generation.dspark_session import DSparkSession  # noqa: E402
+from dsv4_mtp_hf.generation.mtp_session import MtpSession  # noqa: E402
 from dsv4_mtp_hf.target.ragged import RaggedTargetForward  # noqa: E402
 
 SEED = 1234
 MARGIN = 1000.0
-PROFILES = {"none": (0.0, 0.0, 0.0), "all": (1.0, 1.0, 1.0), "deepseek": (0.88, 0.80, 0.72)}
+# Unconditional acceptance by draft position: P(drafts 1..i all accepted).  Published: the MTP at K=3
+# (GDzhu01/vllm-ascend-deepseekv4#132), DSpark 0731 on prose (vllm#41834) and a code profile with a mean accepted
+# length of 4.42 at block 5 (vllm-project/speculators#952: 1 + 0.93 + 0.80 + 0.68 + 0.55 + 0.46).
+PROFILES = {"none": (0.0,) * 5, "all": (1.0,) * 5, "deepseek": (0.88, 0.80, 0.72),
+            "mtp-published": (0.98, 0.64, 0.15), "dspark-prose": (0.58, 0.45, 0.32, 0.24, 0.16),
+            "dspark-code": (0.93, 0.80, 0.68, 0.55, 0.46)}
 SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=50)  # --sample
 
 
@@ -138,11 +147,17 @@ class Controlled:
 
     # -- the drafts ---------------------------------------------------------------------------------
     def correct_count(self, k: int) -> int:
-        """Drafts accepted this round: P(n >= i) = profile[i - 1]."""
+        """Drafts accepted this round: P(n >= i) = profile[i - 1] (0 beyond the profile)."""
         u, n = self.rng.random(), 0
-        while n < k and u < self.profile[min(n, len(self.profile) - 1)]:
+        while n < min(k, len(self.profile)) and u < self.profile[n]:
             n += 1
         return n
+
+    def confidences(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        """A confidence head that knows the profile: c_i = P(draft i accepted | drafts before it were)."""
+        p = list(self.profile) + [0.0] * k
+        c = [p[0]] + [p[i] / p[i - 1] if p[i - 1] > 0 else 0.0 for i in range(1, k)]
+        return torch.tensor([c[:k]], dtype=like.dtype, device=like.device)
 
     def controlled(self, last: int, k: int) -> list[int]:
         truth = chain(last, k, self.vocab)
@@ -163,41 +178,52 @@ class Controlled:
             h.remove()
 
 
-def make_generator_class(ctl: Controlled):
-    class ControlledCandidates(MtpCandidateGenerator):
-        fast_drafts = "auto" if torch.cuda.is_available() else "eager"  # the round path on a CPU smoke run too
+@contextlib.contextmanager
+def controlled_drafts(ctl: Controlled):
+    """Inside the block every assisted call's drafts are controlled: the drafter drafts through its round path
+    (all of its compute runs), then its tokens are replaced by controlled ones, on the device; (sampling) each with
+    the one-hot q it is "drawn" from, so a right one is accepted; (DSpark) its confidences by the profile's
+    conditional acceptance, so that "auto" chooses verify lengths as a calibrated head would.  The candidate
+    generator's work per round (the drafter's) is timed with CUDA events while ``ctl.timing``."""
+    sessions = (MtpSession, DSparkSession)
+    real = {cls: cls._draft for cls in sessions}
+    real_get = DraftCandidateGenerator.get_candidates
 
-        def _timed(self, fn, *args, **kwargs):
-            if not ctl.timing:
-                return fn(*args, **kwargs)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = fn(*args, **kwargs)
-            b.record()
-            ctl.events.append(("mtp", a, b))
-            return out
+    def controlled(cls):
+        def _draft(session, ids, features, choose, limit):
+            if session.drafter is None:  # the per-position drafts of processors that read the sequence
+                raise RuntimeError("the benchmark controls the drafts of the round path only.")
+            drafts = real[cls](session, ids, features, choose, limit)
+            if drafts is None:
+                return drafts
+            k = drafts.tokens.shape[1]
+            tokens = ctl.controlled_on_device(ids[:, -1:], k).to(drafts.tokens.device)
+            logits = drafts.logits
+            if session.drafter.sampled:
+                logits = torch.full_like(logits, float("-inf")).scatter_(-1, tokens.to(logits.device).unsqueeze(-1), 0.)
+            confidences = None if drafts.confidences is None else ctl.confidences(k, drafts.confidences)
+            return Drafts(tokens, logits, confidences)
+        return _draft
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if self.drafter is None:  # the per-token drafts do not pass through _round_result below
-                raise RuntimeError("the benchmark controls the drafts of the round path (GraphedDrafter) only.")
+    def get_candidates(generator, *args, **kwargs):
+        if not ctl.timing:
+            return real_get(generator, *args, **kwargs)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = real_get(generator, *args, **kwargs)
+        b.record()
+        ctl.events.append(("mtp", a, b))
+        return out
 
-        def get_candidates(self, input_ids, *args, **kwargs):
-            return self._timed(super().get_candidates, input_ids, *args, **kwargs)
-
-        def _round_result(self, input_ids, tokens, logits):
-            # the MTP's own drafts replaced by controlled ones, on the device; (sampling) each with the one-hot
-            # q it is "drawn" from, so a right one is accepted
-            seq, logits = super()._round_result(input_ids, tokens, logits)
-            n = seq.shape[1] - input_ids.shape[1]
-            if n:
-                drafts = ctl.controlled_on_device(input_ids[:, -1:], n)
-                seq = torch.cat([input_ids, drafts.to(seq.device)], dim=1)
-                if self.do_sample:
-                    logits = torch.full_like(logits, float("-inf")).scatter_(
-                        -1, drafts.to(logits.device).unsqueeze(-1), 0.0)
-            return seq, logits
-    return ControlledCandidates
+    for cls in sessions:
+        cls._draft = controlled(cls)
+    DraftCandidateGenerator.get_candidates = get_candidates
+    try:
+        yield
+    finally:
+        for cls in sessions:
+            cls._draft = real[cls]
+        DraftCandidateGenerator.get_candidates = real_get
 
 
 def timed(fn, repeats: int):
@@ -212,7 +238,34 @@ def timed(fn, repeats: int):
     return statistics.median(times), out
 
 
-def assisted_cases(target, mtp, ctl, args, rows, checks, label):
+def build_dspark(target, gen: torch.Generator):
+    """A random V4-Flash-shaped DSpark drafter (3 draft layers, bf16 dense weights, random MXFP4 experts) reading the
+    target's last three layers, beside its lm head, bound."""
+    from dsv4_mtp_hf import DeepseekV4DSparkConfig, DeepseekV4DSparkForCausalLM
+
+    layers = target.config.num_hidden_layers
+    config = DeepseekV4DSparkConfig.from_target_config(
+        {**target.config.to_dict(), "dspark_block_size": 5,
+         "dspark_noise_token_id": min(128799, target.config.vocab_size - 1),
+         "dspark_target_layer_ids": list(range(max(0, layers - 3), layers)), "dspark_markov_rank": min(256, target.config.hidden_size)})
+    with torch.device("meta"):
+        drafter = DeepseekV4DSparkForCausalLM(config)
+    dev = target.lm_head.weight.device
+    drafter = drafter.to_empty(device=dev).eval()
+    fill_random_(drafter, torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
+    for name, prm in drafter.named_parameters():
+        if prm.dtype == torch.float32 and not any(k in name for k in drafter._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    return drafter.bind(target)
+
+
+def profiles_for(name: str, profiles: list[str]) -> list[str]:
+    """The profiles a drafter runs: the generic ones and its own published ones."""
+    own = "dspark" if name == "dspark" else "mtp"
+    return [p for p in profiles if not p.startswith(("mtp-", "dspark-")) or p.startswith(own + "-")]
+
+
+def assisted_cases(target, drafters, ctl, args, rows, checks, label):
     dev = target.get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(3, ctl.vocab, (1, args.prompt), generator=gen).to(dev)
@@ -226,47 +279,112 @@ def assisted_cases(target, mtp, ctl, args, rows, checks, label):
     checks[f"{label}: plain output is the controlled chain"] = plain[0, args.prompt:].tolist() == chain(
         int(prompt[0, -1]), n, ctl.vocab)
     # prompt_ms: a whole generate of one token (the prompt's forward and generate's own setup)
-    rows.append(dict(label=label, case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
+    rows.append(dict(label=label, drafter="-", case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
                      round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0,
                      prompt_ms=1e3 * t_one))
-    mtp.candidate_generator_class = make_generator_class(ctl)
-    try:
-        for k in args.ks:
-            for name in args.profiles:
-                ctl.profile = PROFILES[name]
-                ctl.rng = random.Random(SEED)
+    bandwidth = copy_bandwidth(dev)
+    with controlled_drafts(ctl):
+        for name, drafter in drafters.items():
+            for k in args.ks:
+                if k != "auto" and k > session_class(drafter).max_drafts(drafter):
+                    continue
+                for profile in profiles_for(name, args.profiles):
+                    case = dict(label=label, drafter=name, case=profile, k=k)
+                    rows.append(assisted_case(target, drafter, ctl, args, prompt, kw, plain, (t_plain, t_one, step),
+                                              case, checks))
+                    rows[-1]["floor_ms"] = draft_floor_ms(drafter, k, bandwidth)
+                    print(rows[-1], flush=True)
 
-                def run():
-                    return target.generate(prompt, assistant_model=mtp, num_assistant_tokens=k, **kw)
 
-                t, out = timed(run, args.repeats)
-                checks[f"{label}: K={k} {name}: equal to plain greedy"] = bool(torch.equal(out, plain))
-                stats = mtp.last_generation_stats
-                # one more run with CUDA events around the target's forwards and the MTP's work
-                ctl.events, ctl.timing = [], torch.cuda.is_available()  # the split needs CUDA events
-                sync()
-                w0 = time.perf_counter()
-                run()
-                sync()
-                wall = time.perf_counter() - w0
-                ctl.timing = False
-                tgt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "target"]
-                mt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "mtp"]
-                r = max(1, stats.rounds)
-                prefill_ms = tgt[0] if tgt else 1e3 * t_one
-                # mt[0]: the first call (nothing to draft yet); mt[1]: the first draft round, which also runs the
-                # MTP over the whole prompt -- a one-off cost, reported on its own, not in the per-round split.
-                catch_up = mt[1] if len(mt) > 2 else None
-                round_ms = (1e3 * wall - prefill_ms - (catch_up or 0.0)) / r
-                t_ms = statistics.mean(tgt[1:]) if len(tgt) > 1 else None
-                m_ms = statistics.mean(mt[2:]) if len(mt) > 2 else None
-                rows.append(dict(label=label, case=name, k=k, tok_s=n / t, speedup=t_plain / t,
-                                 tok_round=stats.mean_accepted_length, round_ms=round_ms, target_ms=t_ms, mtp_ms=m_ms,
-                                 glue_ms=None if t_ms is None else round_ms - t_ms - m_ms, x_plain_step=round_ms / (1e3 * step),
-                                 prompt_mtp_ms=catch_up, acceptance=stats.acceptance_by_position))
-                print(rows[-1], flush=True)
-    finally:
-        mtp.candidate_generator_class = None
+def assisted_case(target, drafter, ctl, args, prompt, kw, plain, plain_times, case, checks) -> dict:
+    """One drafter, K and profile: tokens/s and the round's split (verify, drafter, glue) from CUDA events."""
+    t_plain, t_one, step = plain_times
+    ctl.profile = PROFILES[case["case"]]
+    ctl.rng = random.Random(SEED)
+
+    def run():
+        return target.generate(prompt, assistant_model=drafter, num_assistant_tokens=case["k"], **kw)
+
+    t, out = timed(run, args.repeats)
+    checks[f"{case['label']}: {case['drafter']} K={case['k']} {case['case']}: equal to plain greedy"] = \
+        bool(torch.equal(out, plain))
+    stats = drafter.last_generation_stats
+    ctl.events, ctl.timing = [], torch.cuda.is_available()  # one more run with CUDA events (the split needs them)
+    sync()
+    w0 = time.perf_counter()
+    run()
+    sync()
+    wall = time.perf_counter() - w0
+    ctl.timing = False
+    tgt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "target"]
+    mt = [a.elapsed_time(b) for kind, a, b in ctl.events if kind == "mtp"]
+    r = max(1, stats.rounds)
+    prefill_ms = tgt[0] if tgt else 1e3 * t_one
+    # mt[0]: the first call (nothing to draft yet); mt[1]: the first draft round, which also runs the drafter
+    # over the whole prompt -- a one-off cost, reported on its own, not in the per-round split.
+    catch_up = mt[1] if len(mt) > 2 else None
+    round_ms = (1e3 * wall - prefill_ms - (catch_up or 0.0)) / r
+    t_ms = statistics.mean(tgt[1:]) if len(tgt) > 1 else None
+    m_ms = statistics.mean(mt[2:]) if len(mt) > 2 else None
+    n = args.new_tokens
+    verified = stats.mean_verified_length
+    return dict(case, tok_s=n / t, speedup=t_plain / t, tok_round=stats.mean_accepted_length, round_ms=round_ms,
+                target_ms=t_ms, mtp_ms=m_ms, glue_ms=None if t_ms is None else round_ms - t_ms - m_ms,
+                x_plain_step=round_ms / (1e3 * step), prompt_mtp_ms=catch_up, verified=verified,
+                acceptance=stats.acceptance_by_position)
+
+
+def copy_bandwidth(device) -> float | None:
+    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB copy, median of 5, or None."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / statistics.median(times[1:])
+
+
+def _bytes(params) -> int:
+    return sum(t.numel() * t.element_size() for t in params)
+
+
+def draft_floor_ms(drafter, k, bandwidth) -> float | None:
+    """The drafter's bytes per round at ``bandwidth``: what its GPU time per round is measured against.  Every
+    dense weight once per forward; the routed experts a forward of T tokens touches (the expected distinct ones of
+    top-k of E); the lm head once per forward (and, DSpark, the Markov head's W2 once per block row).  The MTP's
+    round: the catch-up forward (T = 2) and K - 1 steps (T = 1); DSpark's: the commit and one block (T = gamma).
+    An estimate from the model's own tensors, not a measurement."""
+    if bandwidth is None:
+        return None
+    c = drafter.config
+    layers = list(drafter.layers) if hasattr(drafter, "layers") else [drafter.block]
+    experts = layers[0].mlp.experts
+    per_expert = _bytes(experts.buffers()) / experts.num_experts
+    dense_layer = _bytes(p for layer in layers for p in layer.parameters())
+    head = _bytes(drafter.get_output_embeddings().parameters())
+
+    def distinct(t):
+        return c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** t)
+
+    if hasattr(drafter, "markov_proj"):  # DSpark: one block of gamma rows
+        g = c.dspark_block_size
+        rest = _bytes(p for n, p in drafter.named_parameters() if not n.startswith(("layers.", "markov_")))
+        total = (dense_layer + rest + len(layers) * distinct(g) * per_expert + head
+                 + g * _bytes(drafter.markov_proj.parameters()))
+    else:
+        k = 4 if k == "auto" else k
+        other = _bytes(p for n, p in drafter.named_parameters() if not n.startswith("block."))
+        forward = lambda t: dense_layer + other + distinct(t) * per_expert + head  # noqa: E731
+        total = forward(2) + (k - 1) * forward(1)
+    return 1e3 * total / bandwidth
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -299,8 +417,7 @@ def host_profile(target, mtp, ctl, args, label, out_dir) -> list[str]:
              (f"K={k} {args.profiles[0]}", lambda: target.generate(prompt, assistant_model=mtp, num_assistant_tokens=k, **kw))]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     lines = []
-    mtp.candidate_generator_class = make_generator_class(ctl)
-    try:
+    with controlled_drafts(ctl):
         for name, call in calls:
             ctl.rng = random.Random(SEED)
             call()
@@ -332,8 +449,6 @@ def host_profile(target, mtp, ctl, args, label, out_dir) -> list[str]:
                     call()
                     sync()
                 lines.extend(idle_gaps(prof, f"{label}, {name}", out_dir and os.path.join(out_dir, stem)))
-    finally:
-        mtp.candidate_generator_class = None
     return lines
 
 
@@ -444,7 +559,7 @@ def batched_cases(target, mtp, ctl, args, rows, checks, label):
             for name in args.profiles:
                 ctl.profile = PROFILES[name]
                 ctl.rng = random.Random(SEED)
-                kw = dict(max_new_tokens=n, num_draft_tokens=k, eos_token_id=[])
+                kw = dict(max_new_tokens=n, num_assistant_tokens=k, eos_token_id=[])
                 t_spec, out = timed(lambda: speculative_generate(target, mtp, prompts, **kw), args.repeats)
                 checks[f"{label} B={b} K={k} {name}: equal to per-sequence plain greedy"] = [
                     t.tolist() for t in out.new_tokens] == truth
@@ -465,6 +580,8 @@ def main():
     p.add_argument("--prompt", type=int, default=100)
     p.add_argument("--ks", default="1,2,3,auto")
     p.add_argument("--profiles", default="none,all,deepseek")
+    p.add_argument("--drafters", default="mtp", help="comma list: mtp, dspark (a random V4-Flash-shaped DSpark "
+                                                      "drafter reading the target's last three layers)")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--batch-k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
@@ -489,6 +606,7 @@ def main():
         return
     args.ks = [x if x == "auto" else int(x) for x in args.ks.split(",") if x]  # "auto": num_assistant_tokens="auto"
     args.profiles = [x for x in args.profiles.split(",") if x]
+    args.drafters = [x for x in args.drafters.split(",") if x]
     args.batches = [int(x) for x in args.batches.split(",") if x]
     print(f"seed={SEED}", flush=True)
     rows, checks, profiles = [], {}, []
@@ -498,18 +616,21 @@ def main():
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
                                                 packed_experts=args.fp4_experts)
-            if args.graph_target:  # rounds verify at most AUTO_MAX_DRAFTS drafts ("auto")
-                graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=4)
+            drafters = {"mtp": mtp} if "mtp" in args.drafters else {}
+            if "dspark" in args.drafters:
+                drafters["dspark"] = build_dspark(target, torch.Generator().manual_seed(SEED + 2))
+            if args.graph_target:  # rounds verify at most a DSpark block (5) drafts
+                graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=5)
             ctl = Controlled(target, mtp, target.config.vocab_size)
             try:
-                assisted_cases(target, mtp, ctl, args, rows, checks, label)
+                assisted_cases(target, drafters, ctl, args, rows, checks, label)
                 if args.host_profile:
                     profiles.extend(host_profile(target, mtp, ctl, args, label, args.out))
                 if args.batches:
                     batched_cases(target, mtp, ctl, args, rows, checks, label)
             finally:
                 ctl.close()
-            del target, mtp, ctl
+            del target, mtp, ctl, drafters
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -529,21 +650,23 @@ def project(rows, layers: int) -> list[str]:
         return []
     l1, l2 = counts[0], counts[-1]
 
-    def row(n, case, k):
-        return next(r for r in rows if "b" not in r and int(r["label"].split()[0]) == n and (r["case"], r["k"]) == (case, k))
+    def row(n, drafter, case, k):
+        return next(r for r in rows if "b" not in r and int(r["label"].split()[0]) == n
+                    and (r.get("drafter", "mtp"), r["case"], r["k"]) == (drafter, case, k))
 
     def at(v1, v2):
         return v1 + (v2 - v1) * (layers - l1) / (l2 - l1)
 
-    step = at(row(l1, "plain", 0)["round_ms"], row(l2, "plain", 0)["round_ms"])
+    step = at(row(l1, "-", "plain", 0)["round_ms"], row(l2, "-", "plain", 0)["round_ms"])
     out = [f"projection to {layers} layers (verify and plain step linear in the layer count from {l1} and {l2}, "
            f"MTP work and glue as at {l2}; not measured): plain step {step:.1f} ms"]
-    for case, k in sorted({(r["case"], r["k"]) for r in rows if "b" not in r and r["case"] != "plain"}, key=str):
-        c1, c2 = row(l1, case, k), row(l2, case, k)
+    for drafter, case, k in sorted({(r.get("drafter", "mtp"), r["case"], r["k"]) for r in rows
+                                    if "b" not in r and r["case"] != "plain"}, key=str):
+        c1, c2 = row(l1, drafter, case, k), row(l2, drafter, case, k)
         if c2["target_ms"] is None:
             continue
         rnd = at(c1["target_ms"], c2["target_ms"]) + c2["mtp_ms"] + c2["glue_ms"]
-        out.append(f"  {case:<9} K={k}: round {rnd:.1f} ms, {c2['tok_round']:.2f} tokens per round, "
+        out.append(f"  {drafter:<6} {case:<13} K={k}: round {rnd:.1f} ms, {c2['tok_round']:.2f} tokens per round, "
                    f"speedup {c2['tok_round'] * step / rnd:.2f}x")
     return out
 
@@ -553,16 +676,17 @@ def report(rows, checks, layers: int) -> None:
     failed = [name for name, ok in checks.items() if not ok]
     for name, ok in checks.items():
         print(f"check: {name}: {ok}")
-    print(f"\n{'target':<10} {'case':<9} {'K':>2} {'tok/s':>8} {'speedup':>7} {'tok/rnd':>7} {'round ms':>8} "
-          f"{'verify':>7} {'mtp':>6} {'glue':>6} {'x step':>6} {'prompt':>7} {'prompt mtp':>10}")
+    print(f"\n{'target':<10} {'drafter':<7} {'case':<13} {'K':>4} {'tok/s':>8} {'speedup':>7} {'tok/rnd':>7} "
+          f"{'verified':>8} {'round ms':>8} {'verify':>7} {'draft':>6} {'floor':>6} {'glue':>6} {'x step':>6} "
+          f"{'prompt':>7} {'prompt draft':>12}")
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
         if "b" in r:
             continue
-        print(f"{r['label']:<10} {r['case']:<9} {r['k']:>2} {r['tok_s']:>8.1f} {r['speedup']:>6.2f}x "
-              f"{r['tok_round']:>7.2f} {r['round_ms']:>8.2f} {fmt(r['target_ms']):>7} {fmt(r['mtp_ms']):>6} "
-              f"{fmt(r['glue_ms']):>6} {r['x_plain_step']:>6.2f} {fmt(r.get('prompt_ms')):>7} "
-              f"{fmt(r.get('prompt_mtp_ms')):>10}")
+        print(f"{r['label']:<10} {r.get('drafter', 'mtp'):<7} {r['case']:<13} {r['k']:>4} {r['tok_s']:>8.1f} "
+              f"{r['speedup']:>6.2f}x {r['tok_round']:>7.2f} {fmt(r.get('verified')):>8} {r['round_ms']:>8.2f} "
+              f"{fmt(r['target_ms']):>7} {fmt(r['mtp_ms']):>6} {fmt(r.get('floor_ms')):>6} {fmt(r['glue_ms']):>6} "
+              f"{r['x_plain_step']:>6.2f} {fmt(r.get('prompt_ms')):>7} {fmt(r.get('prompt_mtp_ms')):>12}")
     batched = [r for r in rows if "b" in r]
     if batched:
         print(f"\n{'target':<10} {'case':<17} {'B':>3} {'K':>2} {'tok/s':>8} {'ragged tok/s':>12} {'padded tok/s':>12} "

@@ -275,7 +275,7 @@ def draft_step_effect(args):
     same cache contents; the timings alternate off/on three times (median of medians)."""
     import importlib
 
-    from dsv4_mtp_hf.generation.cuda_graph import GraphedDrafter
+    from dsv4_mtp_hf.generation.mtp_graph import GraphedDrafter
 
     sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")
     dev = torch.device("cuda")
@@ -295,7 +295,7 @@ def draft_step_effect(args):
             for on, cache in ((False, paged), (True, paged2)):
                 sl.use_skinny = lin.use_skinny = saved[0] if on else (lambda *a: False)  # off: F.linear (cuBLAS)
                 t0 = time.perf_counter()
-                d = GraphedDrafter(mtp, cache, num_drafts=1, compile=True)
+                d = GraphedDrafter(mtp, cache, num_drafts=2, compile=True)
                 d.tokens.copy_(pids[:, -1:]); d.residual.copy_(phs[:, -1:])
                 d.capture()
                 if not d.compiled:
