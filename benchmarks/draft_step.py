@@ -467,7 +467,7 @@ def measure_all(args, mtp, target, ids, hs, cache, n0, draft_step, gen, floor_of
     results["transformers: eager draft step (their block)"] = time_ms(transformers_draft_step, max(5, args.iters // 3))
 
     # The whole draft step in a CUDA graph: paged cache (static shapes), K chained steps; each
-    # shape with the reference attention, then with FlashInfer's MLA kernels (SPEC §8).
+    # shape with the reference attention, then with FlashInfer's MLA kernels (design §8).
     shapes = () if args.only_compiled else ((1, 1), (1, 3), (4, 3))
     for attn, (bsz, k) in [("reference", sk) for sk in shapes] + [("flashinfer", sk) for sk in shapes]:
         fi = ", FlashInfer attn" if attn == "flashinfer" else ""

@@ -1,10 +1,11 @@
-"""DeepSeek-V4's multi-token-prediction head as a Hugging Face transformers draft model."""
+"""DeepSeek-V4's drafters (the MTP head and DSpark) as Hugging Face transformers draft models."""
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .cache import DSparkKVCache, MtpKVCache, PagedMtpKVCache
 from .configuration import DeepseekV4DSparkConfig, DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
+from .loading.detect import load_drafter
 from .target import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
 from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
 from .modeling_dspark import DeepseekV4DSparkForCausalLM, DeepseekV4DSparkOutput
@@ -15,6 +16,7 @@ AutoConfig.register(DeepseekV4DSparkConfig.model_type, DeepseekV4DSparkConfig, e
 AutoModelForCausalLM.register(DeepseekV4DSparkConfig, DeepseekV4DSparkForCausalLM, exist_ok=True)
 
 __all__ = ["DSparkKVCache", "DeepseekV4DSparkConfig", "DeepseekV4DSparkForCausalLM", "DeepseekV4DSparkOutput",
-           "DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput", "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "load_demo_pair",
-           "graph_target", "pack_fp4_experts", "ungraph_target"]
+           "DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput",
+           "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "graph_target", "load_demo_pair",
+           "load_drafter", "pack_fp4_experts", "ungraph_target"]
 __version__ = "0.1.0"
