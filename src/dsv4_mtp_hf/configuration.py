@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from transformers import PreTrainedConfig
 
 from .fp4 import FORMATS, get_format
@@ -40,6 +42,26 @@ TARGET_FIELDS = (
 BINDING_FIELDS = ("vocab_size", "hidden_size", "hc_mult", "rope_theta", "qk_rope_head_dim", "head_dim")
 
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer")
+
+
+def normalize_draft_vocab(token_ids, vocab_size: int) -> list[int]:
+    """A draft vocabulary as a sorted list of unique ints in ``[0, vocab_size)``; anything else raises."""
+    if hasattr(token_ids, "reshape") and hasattr(token_ids, "tolist"):  # a tensor or an array, any shape
+        token_ids = token_ids.reshape(-1).tolist()
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"a draft vocabulary is a list of token ids, got {type(token_ids).__name__}.")
+    flat = []
+    for v in token_ids:
+        try:
+            if isinstance(v, (bool, float)):
+                raise TypeError
+            flat.append(operator.index(v))
+        except TypeError:
+            raise ValueError(f"draft vocabulary ids must be integers, got {v!r}.") from None
+    ids = sorted(set(flat))
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must be a non-empty set within [0, {vocab_size}).")
+    return ids
 
 
 class DeepseekV4DraftConfig(PreTrainedConfig):
@@ -209,13 +231,24 @@ class DeepseekV4MtpConfig(DeepseekV4DraftConfig):
     [`~DeepseekV4MtpConfig.from_target_config`].
 
     MTP-specific fields:
-        mtp_vocab_size (`int`, *optional*): draft only over the first N vocabulary rows.
+        mtp_vocab_size (`int`, *optional*): draft only over the first N token ids (``0 .. N-1``).
+        draft_vocab_ids (`list[int]`, *optional*): draft only over these token ids (kept sorted and
+            unique); takes precedence over `mtp_vocab_size`.  Written by
+            [`~DeepseekV4MtpForCausalLM.set_draft_vocab`], so a chosen subset is saved with the draft and
+            restored by `from_pretrained` (remote code included).
+
+    A reduced draft vocabulary only shrinks the draft step's lm head (the dominant cost of a draft step at
+    V4's 129280 ids) to those rows: the MTP then never proposes a token outside it.  The target still
+    verifies over the full vocabulary, so the output is exactly what it would be without the MTP (greedy
+    and sampled); only acceptance, and with it speed, depends on how much of the text the subset covers
+    (:func:`dsv4_mtp_hf.draft_vocab_from_corpus` picks one from a corpus).
     """
 
     model_type = "deepseek_v4_mtp"
 
     num_nextn_predict_layers: int = 1
     mtp_vocab_size: int | None = None
+    draft_vocab_ids: list[int] | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -226,6 +259,8 @@ class DeepseekV4MtpConfig(DeepseekV4DraftConfig):
         if self.mtp_vocab_size is not None and not 0 < self.mtp_vocab_size <= self.vocab_size:
             raise ValueError(f"Invalid DeepseekV4MtpConfig: `mtp_vocab_size`={self.mtp_vocab_size} must be in "
                              f"(0, vocab_size={self.vocab_size}].")
+        if self.draft_vocab_ids is not None:
+            self.draft_vocab_ids = normalize_draft_vocab(self.draft_vocab_ids, self.vocab_size)
 
     @classmethod
     def _target_fields(cls, target_config: dict) -> dict:

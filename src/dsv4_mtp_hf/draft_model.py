@@ -140,6 +140,10 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
     def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
         return True
 
+    def generation_finished(self, stats) -> None:
+        """Called by the generation drivers with the finished call's statistics (``last_generation_stats``);
+        a drafter may check them (the MTP warns when a reduced draft vocabulary made acceptance collapse)."""
+
 
 @torch.no_grad()
 def _init_fp4_experts(module: FP4Experts, std: float) -> None:

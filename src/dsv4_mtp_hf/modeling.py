@@ -71,6 +71,7 @@ class DeepseekV4MtpForCausalLM(DeepseekV4DraftModel):
         self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.post_init()
+        self._sync_draft_vocab()
         if self.generation_config is not None:
             self.generation_config.num_assistant_tokens = 3
             self.generation_config.num_assistant_tokens_schedule = "constant"
@@ -111,26 +112,51 @@ class DeepseekV4MtpForCausalLM(DeepseekV4DraftModel):
 
     # -- draft vocabulary ----------------------------------------------------------------------
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None = None) -> None:
-        """Draft only over ``token_ids`` (e.g. the most frequent tokens): the lm head, the
-        dominant cost of a draft step, shrinks to those rows.  ``None`` restores the config's
-        choice (the first ``config.mtp_vocab_size`` ids, or the full vocabulary).  The
-        verifier always sees full-vocabulary logits; drafts outside the subset never happen
-        (their logits are ``-inf``), which keeps speculative sampling exact."""
+        """Draft only over ``token_ids`` (e.g. the most frequent tokens of your traffic, see
+        :func:`dsv4_mtp_hf.draft_vocab_from_corpus`): the lm head, the dominant cost of a draft step,
+        shrinks to those rows.  ``None`` drops the subset and restores ``config.mtp_vocab_size``'s choice
+        (the first N ids), or the full vocabulary.
+
+        The verifier always sees full-vocabulary logits: the MTP never drafts a token outside the subset
+        (its logits are ``-inf`` there), and the target's verification keeps greedy and sampled output
+        exactly what generating without the MTP gives.  A subset that misses the tokens of the text costs
+        speed only (drafts rejected); a generate call whose acceptance collapses under a reduced
+        vocabulary logs a warning naming that cause.
+
+        The ids are kept (sorted, unique) in ``config.draft_vocab_ids``: ``save_pretrained`` stores them and
+        ``from_pretrained`` (our loader or ``trust_remote_code``) restores them.  Change the subset through
+        this method, not by editing the config in place."""
+        from .configuration import normalize_draft_vocab
+
+        self.config.draft_vocab_ids = None if token_ids is None else normalize_draft_vocab(token_ids, self.config.vocab_size)
+        self._sync_draft_vocab()
+
+    def _sync_draft_vocab(self) -> None:
+        """``_draft_ids`` (a CPU LongTensor, or None) from ``config.draft_vocab_ids``; a new tensor object each
+        time, so the graphed drafters keyed by its address are rebuilt."""
+        ids = self.config.draft_vocab_ids
         self._draft_head_cache = None
-        if token_ids is None:
-            self._draft_ids = None
-            return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft vocabulary ids must be a non-empty set within [0, {self.config.vocab_size}).")
-        self._draft_ids = ids
+        self._draft_ids = None if ids is None else torch.tensor(ids, dtype=torch.long, device="cpu")
 
     def draft_vocab_ids(self) -> torch.Tensor | None:
-        """The ids drafts are restricted to (None: the full vocabulary)."""
+        """The ids drafts are restricted to: ``config.draft_vocab_ids``, else the first
+        ``config.mtp_vocab_size`` ids; None: the full vocabulary."""
         ids = getattr(self, "_draft_ids", None)
         if ids is None and self.config.mtp_vocab_size not in (None, self.config.vocab_size):
             ids = torch.arange(self.config.mtp_vocab_size)
         return ids
+
+    def bind(self, target):
+        """As :meth:`DeepseekV4DraftModel.bind`; a draft subset's head rows are gathered again from the new head."""
+        self._draft_head_cache = None  # a subset's gathered head rows belong to the previous target's head
+        return super().bind(target)
+
+    def generation_finished(self, stats) -> None:
+        """Called with the statistics of each finished generate call: warns once when a reduced draft
+        vocabulary made acceptance collapse (:func:`~dsv4_mtp_hf.draft_vocab.warn_if_draft_vocab_collapsed`)."""
+        from .draft_vocab import warn_if_draft_vocab_collapsed
+
+        warn_if_draft_vocab_collapsed(self, stats)
 
     def _lm_logits(self, h: torch.Tensor, head: nn.Module, draft_vocab: bool) -> torch.Tensor:
         h = h.to(device=head.weight.device, dtype=head.weight.dtype)

@@ -283,6 +283,7 @@ def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
         with patching.during(target, **patches):
             out = cls_generate(target, **kwargs)
         call.leave_state(cache, out if isinstance(out, torch.Tensor) else out.sequences)
+        drafter.generation_finished(call.stats)
         return out
     finally:
         call.close()

@@ -314,6 +314,7 @@ def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_as
         _prefill(st, group)
     while not all(st.done):
         _round(st)
+    mtp.generation_finished(st.stats)
     return _output(st, input_ids, prompts, pad_token_id, target)
 
 
