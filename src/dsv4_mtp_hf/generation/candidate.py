@@ -69,6 +69,10 @@ class DraftCandidateGenerator(CandidateGenerator):
         by_confidence = isinstance(self.draft_length, ConfidenceLength)
         if self.draft_length is not None and not by_confidence:
             self.round_limit = self.draft_length.choose()
+            if self.round_limit == 0:  # "auto" found plain steps faster: the drafter keeps the rows for later
+                self.session.hold(features, processed=length - 1)
+                self.call.stats.draft_lengths.append(0)
+                return input_ids, None
         first_round = self.session.committed == 0
         drafts = self.session.draft(input_ids, features, self.chooser, min(budget, self.round_limit))
         if drafts is None:

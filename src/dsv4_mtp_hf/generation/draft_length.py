@@ -7,7 +7,15 @@ the drafts add MTP work. Each round's wall time (from one ``get_candidates`` to 
 transformers does included) is recorded under its K. The slope ``r`` is a least-squares fit once two K
 values have times, and ``PRIOR_SLOPE`` before that. Every round drafts the K that maximises ``E(K) / c(K)``,
 and every ``EXPLORE_EVERY``-th round a neighbouring K, so the slope keeps being measured. On CUDA the graphed
-round always drafts ``max_k`` (one graph; a draft step is ~0.5 ms) and hands the verifier the first K.
+round always drafts ``max_k`` (one graph) and hands the verifier the first K.
+
+Drafting can lose: a round costs the drafter's work on top of the target's step. When the best K is
+expected to yield fewer than ``DOUBT`` tokens a round, the call measures plain steps (K = 0: the target
+alone, its rows kept for the drafter's next round), compares the best ``E(K) / t(K)`` with ``1 / t(0)``
+and drafts nothing while plain steps pay more. It then probes
+(drafts the best K once) after ``PROBE_FIRST`` plain rounds, doubling the wait after every probe that still
+says "plain" (at most ``PROBE_MAX``), so a call whose drafts all miss runs close to plain ``generate``.
+A probe starts the acceptance counts afresh, so a call whose acceptance comes back returns to drafting.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import time
 PRIOR_SLOPE = 0.07
 EXPLORE_EVERY = 8
 AUTO_MAX_DRAFTS = 4  # drafts per round at most with "auto"
+PLAIN_FIRST = EXPLORE_EVERY  # rounds before plain steps are considered
+DOUBT = 2.0  # expected tokens per round below which plain steps are measured and weighed against drafting
+PROBE_FIRST, PROBE_MAX = 16, 256  # plain rounds before a probe, and the most the doubling waits
 
 
 class _RoundCost:
@@ -35,9 +46,13 @@ class _RoundCost:
         self._pending = None  # (K, start time) of the round in flight
         self._clock = time.perf_counter
 
+    def _medians(self) -> dict[int, float]:
+        """Median wall time of the recent drafting rounds (K >= 1) under each K."""
+        return {k: statistics.median(v[-32:]) for k, v in self.times.items() if v and k > 0}
+
     def slope(self) -> float:
         """``r``: the relative cost of one more draft, fitted from the recorded round times."""
-        means = {k: statistics.median(v[-32:]) for k, v in self.times.items() if v}
+        means = self._medians()
         if len(means) < 2:
             return PRIOR_SLOPE
         ks, ts = list(means), list(means.values())
@@ -45,6 +60,17 @@ class _RoundCost:
         b = sum((k - mk) * (t - mt) for k, t in zip(ks, ts)) / sum((k - mk) ** 2 for k in ks)
         c0 = mt - b * mk
         return max(b / c0, 0.0) if c0 > 0 else PRIOR_SLOPE
+
+    def round_time(self, k: int, r: float) -> float | None:
+        """The wall time of a round verifying ``k >= 1`` drafts: measured, or scaled by ``1 + r k`` from the
+        nearest measured K; None before any drafting round is timed."""
+        means = self._medians()
+        if k in means:
+            return means[k]
+        if not means:
+            return None
+        near = min(means, key=lambda m: abs(m - k))
+        return means[near] * (1 + r * k) / (1 + r * near)
 
     def _start(self, k: int) -> int:
         """The round about to run verifies ``k`` drafts; ends the timing of the previous round."""
@@ -104,6 +130,7 @@ class AutoDraftLength(_RoundCost):
         super().__init__(max_k)
         self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
         self.taken = [0] * max_k  # ... and accepted draft j
+        self.plain_run, self.probe_wait = 0, PROBE_FIRST  # plain rounds since the last drafting one; the wait
 
     def expected_tokens(self, k: int) -> float:
         total, p = 1.0, 1.0
@@ -117,13 +144,37 @@ class AutoDraftLength(_RoundCost):
         return max(range(1, self.max_k + 1), key=lambda k: self.expected_tokens(k) / (1 + r * k))
 
     def choose(self) -> int:
-        """The K of the round about to be drafted; ends the timing of the previous round."""
+        """The K of the round about to be drafted (0: a plain step); ends the timing of the previous round."""
         k = self.best()
-        if len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+        if self.expected_tokens(k) >= DOUBT or len(self.choices) < PLAIN_FIRST:
+            return self._draft(k)
+        plain = self.times.get(0, [])
+        if len(plain) < 2:
+            return self._plain()  # measure plain steps; the first may hold one-off work (a graph's capture)
+        drafted = self.round_time(k, self.slope())
+        if drafted is None or self.expected_tokens(k) / drafted > 1 / statistics.median(plain[1:][-32:]):
+            return self._draft(k)
+        if self.plain_run < self.probe_wait:
+            return self._plain()
+        # A probe: the counts are forgotten (the text may have changed while no draft was looked at), so this
+        # round's drafts alone say whether drafting pays again; a probe that lands none doubles the wait.
+        self.offered, self.taken = [0] * self.max_k, [0] * self.max_k
+        self.probe_wait = min(2 * self.probe_wait, PROBE_MAX)
+        return self._draft(k, probe=True)
+
+    def _draft(self, k: int, probe: bool = False) -> int:
+        if not probe and self.plain_run == 0 and len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = k + 1 if k < self.max_k else k - 1  # a neighbour, to keep the slope measured
+        self.plain_run = 0
         return self._start(max(1, k))
 
+    def _plain(self) -> int:
+        self.plain_run += 1
+        return self._start(0)
+
     def observe(self, drafted: int, accepted: int) -> None:
+        if accepted:
+            self.probe_wait = PROBE_FIRST
         for j in range(min(drafted, self.max_k)):
             self.offered[j] += 1
             if j < accepted:

@@ -16,7 +16,7 @@ class GenerationStats:
     rounds_stopped_by_processor: int = 0  # rounds cut short: no token allowed at a draft position
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)  # "auto": the K chosen for each round
+    draft_lengths: list[int] = field(default_factory=list)  # "auto": the K chosen for each round (0: a plain step)
 
     def record_round(self, drafted: int, accepted: int, new_tokens: int) -> None:
         self.new_tokens += new_tokens
