@@ -6,12 +6,19 @@ weights, one GPU).  The graphed step is checked against transformers' forward on
 The bf16 target's experts are first rounded to MXFP4 values (what transformers holds after dequantising the
 native release), so the packed target computes the same function: the run checks the greedy tokens agree and
 reports the logits' difference.  Per layer count: the decode step of plain greedy ``generate`` (``(t(N) - t(1)) /
-(N - 1)``, median of ``--repeats``), the MoE block alone at one token (CUDA events around one call, median), and
-the routed experts' memory.  From two layer counts the per-layer cost is the slope and the step at
-``--project`` layers (V4-Flash: 43) is extrapolated -- labelled as a projection.
+(N - 1)``, median of ``--repeats``), the MoE block alone at T = 1, 2, 4, 8, 16 tokens (CUDA events around one call,
+median), the routed experts' memory, all parameters' and buffers' memory, and the peak allocated while measuring.
+From two layer counts the per-layer cost is the slope and the step at ``--project`` layers (V4-Flash: 43) is
+extrapolated -- labelled as a projection.
+
+``--peer transformers-fp8`` adds transformers' own V4 path as a user with a GPU gets it from the native FP8 release
+(benchmarks/peer_fp8.py: FineGrainedFP8 quantizer, FP8Linear + int8-packed FP4 FP8Experts, the Triton kernels of
+the staged ``.peers/finegrained_fp8``; random weights, one GPU), measured the same way.  ``--no-bf16`` skips the
+bf16-experts target (ours is then built packed from the start: random MXFP4, less memory and time).
 
     python benchmarks/target_step.py --out $OUT          # 2 and 4 layers, one H200 (~60 GB)
-    python benchmarks/target_step.py --tiny --layers 2   # smoke run (CPU or GPU)
+    python benchmarks/target_step.py --peer transformers-fp8 --no-bf16 --out $OUT   # ours against transformers FP8
+    python benchmarks/target_step.py --tiny --layers 2   # smoke run (CPU or GPU; the peer's matmuls in torch on CPU)
 """
 
 from __future__ import annotations
@@ -22,17 +29,20 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, sync, wall  # noqa: E402
+import peer_fp8  # noqa: E402
 
 from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts  # noqa: E402
 from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
 from dsv4_mtp_hf.target.experts import expert_bytes  # noqa: E402
 
 SEED = 4321
+MOE_ROWS = (1, 2, 4, 8, 16)
 
 
 def gpu_ms(fn, iters: int) -> float:
@@ -66,26 +76,184 @@ def round_experts_to_mxfp4(target) -> None:
                 w[a:a + 16] = fp4.dequantize_fp4(p, s, "mxfp4", g, dtype=w.dtype)
 
 
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(i)
+
+
+def peak_gb() -> float | None:
+    """Peak allocated GB since reset_peak, all GPUs (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    return sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 1e9
+
+
+def free() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def routed_expert_bytes(target) -> int:
+    """Ours (packed or bf16: expert_bytes), or the peer's FP8Experts with their scales."""
+    experts = [layer.mlp.experts for layer in target.model.layers]
+    if hasattr(experts[-1], "gate_up_proj_scale_inv"):
+        return sum(peer_fp8.tensor_bytes(e) for e in experts)
+    return expert_bytes(target)
+
+
+def moe_probe(target, device) -> torch.Tensor:
+    """The same 16 hidden rows for every target (the MoE block's input)."""
+    h = torch.randn(1, 16, target.config.hidden_size, generator=torch.Generator().manual_seed(SEED))
+    return h.to(device=device, dtype=torch.bfloat16)
+
+
+def moe_out(layer, h) -> torch.Tensor:
+    return torch.cat([layer.mlp(h[:, :1]), layer.mlp(h[:, :4]), layer.mlp(h)], dim=1).float()  # T = 1, 4, 16
+
+
+def make_prompt(vocab: int, device, args) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(SEED)).to(device)
+
+
 @torch.no_grad()
-def measure(target, prompt, args, label: str) -> dict:
+def measure(target, prompt, args, label: str, kind: str) -> dict:
+    reset_peak()
     n = args.new_tokens
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     t_n = wall(lambda: target.generate(prompt, **kw), args.repeats)
     t_1 = wall(lambda: target.generate(prompt, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}), args.repeats)
     tokens = target.generate(prompt, **kw)[0, prompt.shape[1]:].tolist()
     layer = target.model.layers[-1]
-    h = torch.randn(1, 16, target.config.hidden_size, generator=torch.Generator().manual_seed(SEED))
-    h = h.to(device=prompt.device, dtype=torch.bfloat16)
-    moe_ms = gpu_ms(lambda: layer.mlp(h[:, :1]), args.iters)
-    moe_out = torch.cat([layer.mlp(h[:, :1]), layer.mlp(h[:, :4]), layer.mlp(h)], dim=1).float()  # T = 1, 4, 16
+    h = moe_probe(target, prompt.device)
+    moe_t = {t: gpu_ms(lambda t=t: layer.mlp(h[:, :t]), args.iters) for t in MOE_ROWS}
+    out = moe_out(layer, h)
     logits = target(prompt).logits[0, -8:].float()
     graphs = graphed(target)  # the graphed step's GPU time alone: its 1-row graph replayed back to back
     if graphs and 1 in graphs._graphs:  # one graph per device segment (one on one GPU)
         replay_ms = gpu_ms(lambda: [g.graph.replay() for g in graphs._graphs[1]], args.iters)
     else:
         replay_ms = None
-    return dict(label=label, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_ms, expert_gb=expert_bytes(target) / 1e9,
-                replay_ms=replay_ms, tokens=tokens, logits=logits, moe_out=moe_out)
+    return dict(label=label, kind=kind, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_t[1], moe_t=moe_t,
+                expert_gb=routed_expert_bytes(target) / 1e9, param_gb=peer_fp8.tensor_bytes(target) / 1e9,
+                peak_gb=peak_gb(), replay_ms=replay_ms, tokens=tokens, logits=logits, moe_out=out)
+
+
+def row(layers: int, r: dict) -> dict:
+    return dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits", "moe_out")})
+
+
+def check_graphed_step(target, graphs, prompt, layers: int, checks: dict) -> None:
+    # A decode row replayed from its CUDA graph (the first 1-row forward captures it; roll it back and
+    # run it again) against the same fixed-shape step run eagerly: checked.  Against transformers'
+    # forward on the same packed weights: reported (bf16 noise, and router near-ties on random weights).
+    cache = graphs.new_cache(1)
+    target(prompt, past_key_values=cache)
+    nxt = prompt[:, -1:] * 0 + 5
+    target(nxt, past_key_values=cache)
+    cache.crop(-1)
+    got = target(nxt, past_key_values=cache).logits[0, -1].float()
+    cache.crop(-1)
+    graphs.use_graphs = False
+    eager = target(nxt, past_key_values=cache).logits[0, -1].float()
+    graphs.use_graphs = True
+    want = target(torch.cat([prompt, nxt], 1)).logits[0, -1].float()  # no graphed cache: transformers'
+    g_rel = float((got - eager).norm() / eager.norm())
+    checks[f"{layers} layers: replayed decode step vs the same step eagerly, rel. difference {g_rel:.2e} < 1e-3"] = (
+        g_rel < 1e-3 and (1 in graphs._graphs or graphs.device.type != "cuda"))  # CPU: no graphs
+    print(f"{layers} layers: graphed decode step logits vs transformers' forward: rel. difference "
+          f"{float((got - want).norm() / want.norm()):.2e}")
+
+
+def run_ours(layers: int, args, rows: list, checks: dict) -> None:
+    """transformers' bf16-experts target (unless --no-bf16), the same packed, then also graphed."""
+    target, _, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
+                                      packed_experts=args.no_bf16)
+    dev = target.get_input_embeddings().weight.device
+    prompt = make_prompt(target.config.vocab_size, dev, args)
+    bf16 = None
+    if not args.no_bf16:
+        round_experts_to_mxfp4(target)
+        bf16 = measure(target, prompt, args, f"transformers bf16 experts ({target.config._experts_implementation})",
+                       "bf16")
+        pack_fp4_experts(target)
+    ours = measure(target, prompt, args, "packed FP4 experts (dsv4_fp4)", "packed")
+    graphs = graph_target(target, max_length=args.prompt + args.new_tokens + 8)
+    fast = measure(target, prompt, args, "packed FP4 experts + graph_target", "graphed")
+    check_graphed_step(target, graphs, prompt, layers, checks)
+    same = sum(a == b for a, b in zip(ours["tokens"], fast["tokens"]))
+    print(f"{layers} layers: graphed vs eager packed greedy tokens equal {same}/{len(ours['tokens'])}")
+    if bf16 is not None:
+        # Same input, same router: the MoE block's output isolates the experts (bf16 noise only).  Through a
+        # whole random-weight model a router choice near a tie can flip and move the logits further; those
+        # are reported, not checked.
+        moe_rel = float((ours["moe_out"] - bf16["moe_out"]).norm() / bf16["moe_out"].norm())
+        checks[f"{layers} layers: MoE block (T=1, 4, 16) rel. error {moe_rel:.2e} < 1e-2"] = moe_rel < 1e-2
+        rel = float((ours["logits"] - bf16["logits"]).norm() / bf16["logits"].norm())
+        same = sum(a == b for a, b in zip(ours["tokens"], bf16["tokens"]))
+        print(f"{layers} layers: logits rel. difference {rel:.2e}, greedy tokens equal {same}/{len(bf16['tokens'])}")
+    for r in (bf16, ours, fast):
+        if r is not None:
+            rows.append(row(layers, r))
+            print(rows[-1], flush=True)
+    del target, graphs
+    free()
+
+
+def prepare_peer(args):
+    """The staged Triton kernels in transformers' kernel global.  Without CUDA: torch reference matmuls (the
+    staged package is still imported when it can be, to check it loads)."""
+    print(f"peer: finegrained_fp8 from {args.peer_path}"
+          f"{'' if args.peer_autotune_trials is None else f', autotune {args.peer_autotune_trials} trials'}")
+    if torch.cuda.is_available():
+        kernel = peer_fp8.load_kernel(args.peer_path, args.peer_autotune_trials)
+    else:
+        try:
+            peer_fp8.load_kernel(args.peer_path, args.peer_autotune_trials)
+            print("peer: the staged finegrained_fp8 imports (not run: no CUDA); torch reference matmuls instead")
+        except Exception as e:  # e.g. no triton on a CPU machine
+            print(f"peer: the staged finegrained_fp8 does not import here ({type(e).__name__}: {e}); "
+                  "torch reference matmuls instead")
+        kernel = peer_fp8.reference_kernel()
+    peer_fp8.install(kernel)
+    return kernel
+
+
+def peer_label(peer, args) -> str:
+    impl = peer.config._experts_implementation
+    if not torch.cuda.is_available():
+        return f"transformers FP8 release path ({impl} experts; CPU: torch reference matmuls)"
+    trials = "" if args.peer_autotune_trials is None else f", autotune {args.peer_autotune_trials} trials"
+    return f"transformers FP8 release path ({impl} FP4 experts, Triton finegrained-fp8, no DeepGEMM{trials})"
+
+
+@torch.no_grad()
+def run_peer(layers: int, args, kernel, rows: list, checks: dict) -> None:
+    """transformers' FP8 V4 (peer_fp8) measured as ours; its MoE block checked against the same weights
+    dequantised into torch matmuls (the Triton kernels quantise activations to FP8: a few % apart)."""
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    peer = peer_fp8.build_peer(layers, args.tiny, torch.Generator().manual_seed(SEED), dev)
+    print(f"{layers} layers: peer modules {peer_fp8.fp8_modules(peer)}", flush=True)
+    prompt = make_prompt(peer.config.vocab_size, dev, args)
+    t0 = time.perf_counter()  # first calls of each shape: Triton autotune and compile (once per process)
+    peer.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    moe_out(peer.model.layers[-1], moe_probe(peer, dev))
+    sync()
+    print(f"{layers} layers: peer warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+    r = measure(peer, prompt, args, peer_label(peer, args), "peer")
+    peer_fp8.install(peer_fp8.reference_kernel())
+    try:
+        want = moe_out(peer.model.layers[-1], moe_probe(peer, dev))
+    finally:
+        peer_fp8.install(kernel)
+    rel = float((r["moe_out"] - want).norm() / want.norm())
+    checks[f"{layers} layers: peer MoE block (T=1, 4, 16) vs its weights dequantised in torch, rel. difference "
+           f"{rel:.2e} < 0.15"] = rel < 0.15
+    checks[f"{layers} layers: peer logits finite"] = bool(torch.isfinite(r["logits"]).all())
+    rows.append(row(layers, r))
+    print(rows[-1], flush=True)
+    del peer
+    free()
 
 
 def main():
@@ -98,88 +266,93 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--peer", choices=["none", "transformers-fp8"], default="none",
+                   help="also measure transformers' own V4 path from the native FP8 release (benchmarks/peer_fp8.py)")
+    p.add_argument("--peer-path", default=peer_fp8.DEFAULT_PATH, help="the staged finegrained_fp8 package")
+    p.add_argument("--peer-autotune-trials", type=int, default=None,
+                   help="cap the peer's Bayesian autotune (faster warm-up, maybe slower kernels); default: as a user")
+    p.add_argument("--no-bf16", action="store_true", help="skip transformers' bf16-experts target")
     args = p.parse_args()
-    print(f"seed={SEED}", flush=True)
-    rows, checks = [], {}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+    print(f"seed={SEED}, {gpu}, torch {torch.__version__}, transformers {peer_fp8.transformers_version}", flush=True)
+    kernel = prepare_peer(args) if args.peer != "none" else None
+    rows, checks, t0 = [], {}, time.perf_counter()
     for layers in [int(x) for x in args.layers.split(",")]:
-        target, _, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED))
-        round_experts_to_mxfp4(target)
-        dev = target.get_input_embeddings().weight.device
-        prompt = torch.randint(3, target.config.vocab_size, (1, args.prompt),
-                               generator=torch.Generator().manual_seed(SEED)).to(dev)
-        bf16 = measure(target, prompt, args, f"transformers bf16 experts ({target.config._experts_implementation})")
-        pack_fp4_experts(target)
-        ours = measure(target, prompt, args, "packed FP4 experts (dsv4_fp4)")
-        graphs = graph_target(target, max_length=args.prompt + args.new_tokens + 8)
-        fast = measure(target, prompt, args, "packed FP4 experts + graph_target")
-        # A decode row replayed from its CUDA graph (the first 1-row forward captures it; roll it back and
-        # run it again) against the same fixed-shape step run eagerly: checked.  Against transformers'
-        # forward on the same packed weights: reported (bf16 noise, and router near-ties on random weights).
-        cache = graphs.new_cache(1)
-        target(prompt, past_key_values=cache)
-        nxt = prompt[:, -1:] * 0 + 5
-        target(nxt, past_key_values=cache)
-        cache.crop(-1)
-        got = target(nxt, past_key_values=cache).logits[0, -1].float()
-        cache.crop(-1)
-        graphs.use_graphs = False
-        eager = target(nxt, past_key_values=cache).logits[0, -1].float()
-        graphs.use_graphs = True
-        want = target(torch.cat([prompt, nxt], 1)).logits[0, -1].float()  # no graphed cache: transformers'
-        g_rel = float((got - eager).norm() / eager.norm())
-        checks[f"{layers} layers: replayed decode step vs the same step eagerly, rel. difference {g_rel:.2e} < 1e-3"] = (
-            g_rel < 1e-3 and (1 in graphs._graphs or graphs.device.type != "cuda"))  # CPU: no graphs
-        print(f"{layers} layers: graphed decode step logits vs transformers' forward: rel. difference "
-              f"{float((got - want).norm() / want.norm()):.2e}")
-        same = sum(a == b for a, b in zip(ours["tokens"], fast["tokens"]))
-        print(f"{layers} layers: graphed vs eager packed greedy tokens equal {same}/{len(ours['tokens'])}")
-        # Same input, same router: the MoE block's output isolates the experts (bf16 noise only).  Through a
-        # whole random-weight model a router choice near a tie can flip and move the logits further; those
-        # are reported, not checked.
-        moe_rel = float((ours["moe_out"] - bf16["moe_out"]).norm() / bf16["moe_out"].norm())
-        checks[f"{layers} layers: MoE block (T=1, 4, 16) rel. error {moe_rel:.2e} < 1e-2"] = moe_rel < 1e-2
-        rel = float((ours["logits"] - bf16["logits"]).norm() / bf16["logits"].norm())
-        same = sum(a == b for a, b in zip(ours["tokens"], bf16["tokens"]))
-        print(f"{layers} layers: logits rel. difference {rel:.2e}, greedy tokens equal {same}/{len(bf16['tokens'])}")
-        for r in (bf16, ours, fast):
-            rows.append(dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits", "moe_out")}))
-            print(rows[-1], flush=True)
-        del target, graphs, cache
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: ours", flush=True)
+        run_ours(layers, args, rows, checks)
+        if kernel is not None:
+            print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: peer", flush=True)
+            try:  # a failing peer must not lose our rows
+                run_peer(layers, args, kernel, rows, checks)
+            except Exception as e:
+                traceback.print_exc()
+                checks[f"{layers} layers: peer ran ({type(e).__name__}: {e})"] = False
+                kernel = None
+            free()
+    print(f"[{time.perf_counter() - t0:.0f} s] done", flush=True)
     if args.out:
         with open(os.path.join(args.out, "target_step.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1)
     report(rows, checks, args.project)
 
 
+def fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def report(rows, checks, project: int) -> None:
-    print("\n| layers | experts | decode step ms | graph replay ms | MoE block ms (T=1) | routed experts GB |")
-    print("|---|---|---|---|---|---|")
+    print("\n| layers | target | decode step ms | graph replay ms | MoE block ms (T=" + "/".join(map(str, MOE_ROWS))
+          + ") | routed experts GB | all weights GB | peak GB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        replay = "-" if r.get("replay_ms") is None else f"{r['replay_ms']:.3f}"
-        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {replay} | {r['moe_ms']:.3f} | {r['expert_gb']:.2f} |")
-    counts = sorted({r["layers"] for r in rows})
-    if len(counts) >= 2:
-        # A layer's cost is the slope between two layer counts: of the decode step for the eager targets,
-        # of the graph replay for the graphed one (its decode step in generate is mostly host work that
-        # does not grow with depth, so its slope is lost in that noise).  The step at `project` layers:
-        # the measured step at the smaller count plus the missing layers at that slope -- a PROJECTION.
-        a, b = counts[0], counts[-1]
-        print(f"\nper layer (slope {a}->{b} layers) and PROJECTION to {project} layers:")
-        slopes = {}
-        for label in dict.fromkeys(r["label"] for r in rows):
-            mine = {r["layers"]: r for r in rows if r["label"] == label}
-            key = "replay_ms" if mine[a].get("replay_ms") is not None else "step_ms"
-            slopes[label] = (mine[b][key] - mine[a][key]) / (b - a)
-            step = mine[a]["step_ms"] + (project - a) * slopes[label]
-            print(f"  {label}: {slopes[label]:.3f} ms/layer ({key}), {step:.1f} ms/step projected")
-        eager = next(iter(slopes.values()))
-        for label, v in list(slopes.items())[1:]:
-            print(f"  per-layer speedup of {label} over transformers bf16: {eager / v:.2f}x")
+        moe = " / ".join(f"{r['moe_t'][t]:.3f}" for t in MOE_ROWS)
+        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {fmt(r.get('replay_ms'), '.3f')} | {moe} | "
+              f"{r['expert_gb']:.2f} | {r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
+    slopes = per_layer(rows, project)
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'}: {k}")
+    summary(rows, slopes, project)
     if not all(checks.values()):
         sys.exit(1)
+
+
+def per_layer(rows, project: int) -> dict:
+    """label -> (ms per layer, projected step ms).  A layer's cost is the slope between two layer counts: of
+    the decode step for the eager targets, of the graph replay for the graphed one (its decode step in generate
+    is mostly host work that does not grow with depth, so its slope is lost in that noise).  The step at
+    `project` layers: the measured step at the smaller count plus the missing layers at that slope -- a
+    PROJECTION."""
+    counts = sorted({r["layers"] for r in rows})
+    if len(counts) < 2:
+        return {}
+    a, b = counts[0], counts[-1]
+    print(f"\nper layer (slope {a}->{b} layers) and PROJECTION to {project} layers:")
+    slopes, kinds = {}, {}
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = {r["layers"]: r for r in rows if r["label"] == label}
+        if a not in mine or b not in mine:
+            continue
+        key = "replay_ms" if mine[a].get("replay_ms") is not None else "step_ms"
+        slope = (mine[b][key] - mine[a][key]) / (b - a)
+        slopes[label] = (slope, mine[a]["step_ms"] + (project - a) * slope)
+        kinds[label] = mine[a]["kind"]
+        print(f"  {label}: {slope:.3f} ms/layer ({key}), {slopes[label][1]:.1f} ms/step projected")
+    for base in [k for k in slopes if kinds[k] in ("bf16", "peer")]:
+        for label in [k for k in slopes if kinds[k] in ("packed", "graphed")]:
+            print(f"  per-layer speedup of {label} over {base}: {slopes[base][0] / slopes[label][0]:.2f}x")
+    return slopes
+
+
+def summary(rows, slopes: dict, project: int) -> None:
+    """The short table, last: per target at the largest layer count measured."""
+    top = max(r["layers"] for r in rows)
+    print(f"\n| target | ms/layer | step at {project} layers (PROJECTION) ms | MoE ms T=1 | MoE ms T=16 | "
+          f"routed experts GB/layer | all weights GB ({top} layers) | peak GB ({top} layers) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in [r for r in rows if r["layers"] == top]:
+        slope, step = slopes.get(r["label"], (None, None))
+        print(f"| {r['label']} | {fmt(slope, '.3f')} | {fmt(step, '.1f')} | {r['moe_t'][1]:.3f} | "
+              f"{r['moe_t'][16]:.3f} | {r['expert_gb'] / top:.3f} | {r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
 
 
 if __name__ == "__main__":
