@@ -44,7 +44,8 @@ def _as_id_tensor(ids) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def draft_vocab_from_corpus(corpus, size: int, always: Iterable[int] = (), vocab_size: int | None = None) -> torch.Tensor:
+def draft_vocab_from_corpus(corpus, size: int, always: Iterable[int] = (),
+                            vocab_size: int | None = None) -> torch.Tensor:
     """The ``size`` token ids to draft over, chosen from a tokenised corpus like the traffic the draft will see:
     every id of ``always`` (e.g. ``tokenizer.all_special_ids`` and the EOS ids), then the corpus's most frequent
     ids (ties: the smaller id first).  -> a sorted ``LongTensor`` for :meth:`~DeepseekV4MtpForCausalLM.set_draft_vocab`

@@ -1,7 +1,9 @@
 """Loading the MTP: original DeepSeek-V4 releases (native names, FP8/FP4 formats), our own
-standalone checkpoints, and the Hub remote-code files written beside them."""
+standalone checkpoints, and the Hub remote-code files written beside them; exporting a drafter in the
+release layout for serving engines (:mod:`.export`)."""
 
 from .checkpoint import checkpoint_kind, load_saved_draft
+from .export import save_release_layout
 from .native import MtpCheckpointError, is_native_checkpoint, load_native_mtp
 from .remote_code import AUTO_MAP, save_with_remote_code, write_remote_code
 from .save_guard import SaveDirectoryError
@@ -14,6 +16,7 @@ __all__ = [
     "is_native_checkpoint",
     "load_native_mtp",
     "load_saved_draft",
+    "save_release_layout",
     "save_with_remote_code",
     "write_remote_code",
 ]

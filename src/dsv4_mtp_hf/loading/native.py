@@ -493,6 +493,20 @@ def device_resolver(device_map, target_model):
     raise ValueError(f"Unsupported device_map {device_map!r}: use a device, 'auto' or a dict like {{'': 'cuda:0'}}.")
 
 
+RELEASE_SCALES = "_release_fp8_scales"
+
+
+def release_scales(model: nn.Module) -> dict:
+    """The FP8 block scales (as stored, on the CPU) of the linears ``model`` was loaded with from a release, by our
+    weight name: a few bytes per matrix, not part of the ``state_dict``.  The weights themselves are held
+    dequantised; :mod:`.export` writes a weight back with its stored scale when that scale still reproduces it
+    exactly, so a release-layout export of a release-loaded drafter repeats the release's bytes."""
+    scales = model.__dict__.get(RELEASE_SCALES)
+    if scales is None:
+        scales = model.__dict__[RELEASE_SCALES] = {}
+    return scales
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     mod_name, _, leaf = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
@@ -711,6 +725,8 @@ def fill_units(model, units: list[Unit], read, layout: F.ExpertLayout, fmt: str,
                 _set_tensor(model, u.target, t.contiguous())
             elif u.kind == "linear":
                 _set_tensor(model, u.target, _decode_linear(u, read, device_of(u.target), final_dtype(u.target)))
+                if u.layout == "fp8_block":  # kept so that a release-layout export writes the release's own bytes
+                    release_scales(model)[u.target] = read(u.sources["scale"]).clone()
             else:
                 b = experts[u.module]
                 _fill_expert(u, read, layout, fmt, b.bufs, b.g13, b.g2, b.inter)
