@@ -47,6 +47,31 @@ def test_the_engine_name_list_is_the_flash_table():
     assert len(engine_mtp_names(256)) == 1575  # SPEC §6: the V4-Flash release's MTP holds 1575 tensors
 
 
+def test_a_flash_sized_mtp_plans_the_flash_release_tensors():
+    """The export's plan for a V4-Flash-sized MTP (on the meta device): SPEC §6's names, dtypes and shapes."""
+    from dsv4_mtp_hf import DeepseekV4MtpConfig
+    from dsv4_mtp_hf.loading.export import release_plan
+
+    from .helpers import CONFIGS
+
+    config = DeepseekV4MtpConfig.from_json_file(str(CONFIGS / "deepseek-v4-flash-mtp.json"))
+    with torch.device("meta"):
+        model = DeepseekV4MtpForCausalLM._from_config(config, dtype=torch.bfloat16)
+    header, units = release_plan(model)
+    assert set(header) == engine_mtp_names(256) and sum(len(u.sources) for u in units) == 1575
+    spec = {"e_proj.weight": ("F8_E4M3", (4096, 4096)), "e_proj.scale": ("F8_E8M0", (32, 32)),
+            "attn.wq_b.weight": ("F8_E4M3", (32768, 1024)), "attn.wq_b.scale": ("F8_E8M0", (256, 8)),
+            "attn.wo_a.scale": ("F8_E8M0", (64, 32)), "attn.wo_b.scale": ("F8_E8M0", (32, 64)),
+            "ffn.shared_experts.w2.scale": ("F8_E8M0", (32, 16)), "attn.q_norm.weight": ("BF16", (1024,)),
+            "hc_head_fn": ("F32", (4, 16384)), "hc_attn_fn": ("F32", (24, 16384)), "hc_ffn_scale": ("F32", (3,)),
+            "attn.attn_sink": ("F32", (64,)), "ffn.gate.weight": ("BF16", (256, 4096)),
+            "ffn.gate.bias": ("F32", (256,)),
+            "ffn.experts.255.w1.weight": ("I8", (2048, 2048)), "ffn.experts.255.w1.scale": ("F8_E8M0", (2048, 128)),
+            "ffn.experts.0.w2.weight": ("I8", (4096, 1024)), "ffn.experts.0.w2.scale": ("F8_E8M0", (4096, 64))}
+    for name, want in spec.items():
+        assert header["mtp.0." + name] == want, name
+
+
 def stored(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory, by the index."""
     index = json.loads((path / INDEX).read_text())["weight_map"]
