@@ -137,6 +137,34 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
             "(`drafter.bind(target)`, or `from_pretrained(..., target_model=target)`) and call "
             "`target.generate(input_ids, assistant_model=drafter)`; `drafter.generate(...)` alone cannot run.")
 
+    def save_pretrained(self, save_directory, *args, layout: str = "transformers", target_config=None, **kwargs):
+        """``layout="transformers"`` (the default): transformers' ``save_pretrained`` (experts stay packed, no
+        embedding/head), plus the thin Hub remote-code files and their ``auto_map`` so that
+        ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads the drafter.
+
+        ``layout="release"``: the drafter as DeepSeek's release stores it, for serving engines (vLLM
+        ``--speculative-config '{"method": "mtp" or "dspark", "model": DIR, ...}'``, SGLang
+        ``--speculative-draft-model-path DIR``): ``mtp.*`` tensors in the release's formats (FP8 + E8M0 block
+        scales, MXFP4 experts, BF16; a drafter loaded from a release is written bit for bit, any other is
+        quantised to those formats) and the TARGET's ``config.json`` (``model_type: deepseek_v4``, its
+        ``num_hidden_layers``; ``dspark_*`` fields for DSpark only).  ``target_config``: the target's
+        ``DeepseekV4Config``, its dict, or the release's path / Hub id (its ``config.json`` copied as it is, the
+        faithful choice); default: the bound target's config.  The path must not contain ``eagle3``, ``eagle-``,
+        ``dflash`` or (for an MTP) ``dspark``: vLLM would pick that method from it.
+        ``from_pretrained(DIR, target_model=target)`` reads the export back.  See :mod:`.loading.export`."""
+        from .loading import save_with_remote_code
+        from .loading.export import check_layout, save_release_layout
+
+        check_layout(layout)
+        if layout == "release":
+            if args:
+                raise TypeError("save_pretrained(layout='release') takes keyword arguments only.")
+            return save_release_layout(self, save_directory, target_config=target_config, **kwargs)
+        if target_config is not None:
+            raise ValueError("`target_config` is for layout='release' (the transformers layout saves the drafter's "
+                             "own config).")
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+
     def can_generate(self) -> bool:  # keeps a generation_config (num_assistant_tokens)
         return True
 

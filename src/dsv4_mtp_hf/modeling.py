@@ -102,33 +102,6 @@ class DeepseekV4MtpForCausalLM(DeepseekV4DraftModel):
             model.bind(target_model)
         return loaded
 
-    def save_pretrained(self, save_directory, *args, layout: str = "transformers", target_config=None, **kwargs):
-        """``layout="transformers"`` (the default): transformers' ``save_pretrained`` (experts stay packed, no
-        embedding/head), plus the thin Hub remote-code files and their ``auto_map`` so that
-        ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads the draft.
-
-        ``layout="release"``: the draft as DeepSeek's release stores it, for serving engines (vLLM
-        ``--speculative-config '{"method": "mtp", "model": DIR, ...}'``, SGLang ``--speculative-draft-model-path
-        DIR``): ``mtp.0.*`` tensors in the release's formats (FP8 + E8M0 block scales, MXFP4 experts; a draft
-        loaded from a release is written bit for bit, any other is quantised to those formats) and the TARGET's
-        ``config.json`` (``model_type: deepseek_v4``, its ``num_hidden_layers``, ``num_nextn_predict_layers: 1``).
-        ``target_config``: the target's ``DeepseekV4Config``, its dict, or the release's path / Hub id (its
-        ``config.json`` copied as it is, the faithful choice); default: the bound target's config.  The path must
-        not contain ``dspark``, ``eagle3``, ``eagle-`` or ``dflash`` (vLLM would pick that method from it).
-        ``from_pretrained(DIR, target_model=target)`` reads the export back.  See :mod:`.loading.export`."""
-        from .loading import save_with_remote_code
-        from .loading.export import check_layout, save_release_layout
-
-        check_layout(layout)
-        if layout == "release":
-            if args:
-                raise TypeError("save_pretrained(layout='release') takes keyword arguments only.")
-            return save_release_layout(self, save_directory, target_config=target_config, **kwargs)
-        if target_config is not None:
-            raise ValueError("`target_config` is for layout='release' (the transformers layout saves the draft's own "
-                             "config).")
-        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
-
     # -- draft vocabulary ----------------------------------------------------------------------
     def set_draft_vocab(self, token_ids: torch.Tensor | list[int] | None = None) -> None:
         """Draft only over ``token_ids`` (e.g. the most frequent tokens of your traffic, see

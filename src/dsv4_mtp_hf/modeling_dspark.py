@@ -96,28 +96,6 @@ class DeepseekV4DSparkForCausalLM(DeepseekV4DraftModel):
         return load_drafter_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *args,
                                        target_model=target_model, **kwargs)
 
-    def save_pretrained(self, save_directory, *args, layout: str = "transformers", target_config=None, **kwargs):
-        """``layout="transformers"`` (the default): transformers' ``save_pretrained`` (experts packed, no
-        embedding/head) plus the Hub remote-code files.
-
-        ``layout="release"``: the drafter as DeepSeek's DSpark releases store it (``mtp.0..N-1.*`` in FP8 + E8M0 /
-        MXFP4 / BF16, the target's ``config.json`` with the ``dspark_*`` fields), for vLLM
-        (``--speculative-config '{"method": "dspark", "model": DIR, ...}'``); ``target_config`` and the path rules
-        as in :meth:`DeepseekV4MtpForCausalLM.save_pretrained` (``dspark`` may appear in the path).
-        ``from_pretrained(DIR, target_model=target)`` reads it back.  See :mod:`.loading.export`."""
-        from .loading import save_with_remote_code
-        from .loading.export import check_layout, save_release_layout
-
-        check_layout(layout)
-        if layout == "release":
-            if args:
-                raise TypeError("save_pretrained(layout='release') takes keyword arguments only.")
-            return save_release_layout(self, save_directory, target_config=target_config, **kwargs)
-        if target_config is not None:
-            raise ValueError("`target_config` is for layout='release' (the transformers layout saves the drafter's "
-                             "own config).")
-        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
-
     def new_cache(self, batch_size: int = 1, **kwargs) -> DSparkKVCache:
         """The drafter's window caches for ``batch_size`` sequences (on the model's device and dtype)."""
         w = self.main_proj.weight
