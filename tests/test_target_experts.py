@@ -114,7 +114,7 @@ def test_release_experts_load_bit_exact_and_match_transformers_dense_target(tmp_
     assert expert_bytes(target) <= 0.3 * bf16_bytes  # packed vs the bf16 experts transformers would hold
 
 
-def test_packing_in_memory_mxfp4_experts_is_exact_and_assisted_generate_stays_equal():
+def test_packing_in_memory_mxfp4_experts_is_exact_and_assisted_generate_stays_equal(capsys):
     print(f"seed={SEED}")
     target, mtp = tiny_pair(seed=SEED + 1)
     set_dense(target, packed_experts(target.config, "mxfp4", SEED + 1), "mxfp4")
@@ -122,6 +122,7 @@ def test_packing_in_memory_mxfp4_experts_is_exact_and_assisted_generate_stays_eq
     ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED))
     plain_dense = target.generate(ids, max_new_tokens=16, do_sample=False)
     pack_fp4_experts(target)  # re-quantises the dense values: MXFP4 values come back exactly
+    assert "packing routed experts (mxfp4)" in capsys.readouterr().err  # a progress bar, one step a layer
     torch.testing.assert_close(logits(target), want, rtol=1e-4, atol=1e-4)
     plain = target.generate(ids, max_new_tokens=16, do_sample=False)
     assisted = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=mtp, num_assistant_tokens=3)

@@ -26,3 +26,11 @@ def takes_cache_kwarg(fn) -> str:
 def dynamo_recompile_limit() -> str:
     """The name of Dynamo's per-function recompile limit (``cache_size_limit`` before torch 2.7)."""
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def progress(iterable=None, *, desc: str, total: int | None = None, unit: str = "it"):
+    """transformers' progress bar (``transformers.utils.logging.disable_progress_bar()`` turns it off), for the
+    long one-off work a user waits on: packing experts, compiling and capturing graphs."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.tqdm(iterable, desc=desc, total=total, unit=unit)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import progress
+
 
 def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bool):
     """Warm ``fn`` up on a side stream (compilation, allocations, Triton autotuning: work a capture must not
@@ -11,6 +13,7 @@ def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bo
     every run.  Returns ``(graph, fn's static outputs)``.  A failing compiled warm-up raises an error naming
     ``what`` and the way out (``compile=False``)."""
     saved = lengths.clone()
+    bar = progress(desc=f"{'compiling and ' if compiled else ''}capturing {what}", total=warmup + 1, unit="run")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -18,6 +21,7 @@ def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bo
             for _ in range(warmup):
                 fn()
                 lengths.copy_(saved)
+                bar.update()
         except Exception as err:
             lengths.copy_(saved)
             if not compiled:
@@ -31,6 +35,8 @@ def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bo
     with torch.cuda.graph(graph):
         out = fn()
     lengths.copy_(saved)
+    bar.update()
+    bar.close()
     return graph, out
 
 

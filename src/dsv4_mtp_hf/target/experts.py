@@ -23,6 +23,7 @@ from transformers import DeepseekV4ForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from .. import fp4, patching
+from ..compat import progress
 from ..layers.moe import FP4Experts
 from .dtypes import norms_to_compute_dtype
 
@@ -114,7 +115,7 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
     if offloaded:
         raise ValueError(f"the experts of layers {offloaded} are offloaded (on the meta device): load the model with "
                          "its layers on GPUs or the CPU (a device_map without 'disk' entries) before packing.")
-    for i, experts in layers:
+    for i, experts in progress(layers, desc=f"packing routed experts ({fmt})", unit="layer"):
         packed = _packed_module(c, fmt, experts.gate_up_proj.device)
         if reader is not None:
             reader.fill(i, packed)

@@ -45,7 +45,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .. import patching
-from ..compat import cache_kwarg, dynamo_recompile_limit
+from ..compat import cache_kwarg, dynamo_recompile_limit, progress
 from .batched_state import BatchedTargetState
 from .dtypes import norms_to_compute_dtype
 from .ragged import RaggedTargetForward
@@ -351,11 +351,16 @@ class TargetGraphs:
                 prev = g
             out, logits = prev.out, prev.logits
         else:
+            bar = progress(desc=f"graph_target: compiling and capturing the {n}-row step", total=2, unit="stage") \
+                if self.use_graphs else None
             graphs = self._run(lambda: self._segments_eagerly(plan, ids, length, n), n, "running")  # and the warm-up
             out, logits = graphs[-1].out, graphs[-1].logits  # the eager run's: a capture computes nothing
             if self.use_graphs:
+                bar.update()
                 self._capture(plan, graphs, n)
                 self._graphs[n] = graphs
+                bar.update()
+                bar.close()
         self.state.advance(0, n)
         return out, logits, self._tapped_outputs(graphs)
 
