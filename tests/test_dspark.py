@@ -298,6 +298,39 @@ def _cuda_pair(seed: int):
     return target.cuda(), dspark.cuda()
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_block_draft_compiles_as_one_graph_and_computes_the_eager_round(sampled):
+    """The CUDA path compiles the block with ``fullgraph=True`` before capturing it; the same compile on the CPU
+    (inductor) must trace it whole and give the eager round's drafts."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+    from dsv4_mtp_hf.generation.dspark_session import GraphedBlockDrafter
+
+    _, drafter = tiny_dspark_pair(seed=5)
+    c = drafter.config
+    feats = torch.randn(1, 4, len(c.dspark_target_layer_ids), c.hc_mult, c.hidden_size,
+                        generator=torch.Generator().manual_seed(6))
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(20)]) if sampled else None
+    rounds = []
+    for compiled in (False, True):
+        d = GraphedBlockDrafter(drafter, drafter.new_cache(1), sampled=sampled, warpers=warpers, compile=False)
+        if compiled:
+            d.block = torch.compile(d._block, fullgraph=True, dynamic=False)
+        torch.manual_seed(7)  # the sampled draws
+        rounds.append(d.round(feats, torch.tensor([[7]])))
+    (t0, z0, c0), (t1, z1, c1) = rounds
+    # sampled: the compiled draw consumes the generator differently, and each Markov step reads the token drawn
+    # before it; so the first position's q and confidence match, and every draw lies in its own q's support
+    n = 1 if sampled else z0.shape[1]
+    torch.testing.assert_close(z1[:, :n], z0[:, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c1[:, :n], c0[:, :n], rtol=1e-4, atol=1e-4)
+    if sampled:
+        assert torch.isfinite(z1.gather(-1, t1.unsqueeze(-1))).all()
+    else:
+        assert torch.equal(t1, t0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sampled", [False, True])
 def test_graphed_dspark_round_replays_its_eager_round(sampled):
