@@ -607,6 +607,8 @@ def main():
     args.ks = [x if x == "auto" else int(x) for x in args.ks.split(",") if x]  # "auto": num_assistant_tokens="auto"
     args.profiles = [x for x in args.profiles.split(",") if x]
     args.drafters = [x for x in args.drafters.split(",") if x]
+    if unknown := set(args.drafters) - {"mtp", "dspark"}:
+        raise SystemExit(f"--drafters: unknown {sorted(unknown)}; choose from mtp, dspark")
     args.batches = [int(x) for x in args.batches.split(",") if x]
     print(f"seed={SEED}", flush=True)
     rows, checks, profiles = [], {}, []
@@ -616,9 +618,8 @@ def main():
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
                                                 packed_experts=args.fp4_experts)
-            drafters = {"mtp": mtp} if "mtp" in args.drafters else {}
-            if "dspark" in args.drafters:
-                drafters["dspark"] = build_dspark(target, torch.Generator().manual_seed(SEED + 2))
+            built = {"mtp": lambda: mtp, "dspark": lambda: build_dspark(target, torch.Generator().manual_seed(SEED + 2))}
+            drafters = {name: built[name]() for name in args.drafters}  # measured in the order given
             if args.graph_target:  # rounds verify at most a DSpark block (5) drafts
                 graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=5)
             ctl = Controlled(target, mtp, target.config.vocab_size)
