@@ -30,7 +30,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from draft_step import fill_random_, init_rotary_  # noqa: E402
+from draft_step import fill_random_, init_hash_routers_, init_rotary_, random_drafter  # noqa: E402
 
 from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, load_demo_pair  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -72,22 +72,12 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
         module.to_empty(device=d)
         g = torch.Generator(device=d).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
         fill_random_(module, g)
-    for layer in target.model.layers:
-        router = layer.mlp.gate
-        if hasattr(router, "tid2eid"):  # hash routing: a fixed random token -> distinct experts table
-            e, k = tc.n_routed_experts, tc.num_experts_per_tok
-            router.tid2eid.copy_(torch.rand(tc.vocab_size, e, generator=gen).argsort(-1)[:, :k])
+    init_hash_routers_(target, tc, gen)
     init_rotary_(target, tc)
     target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
     target.eval()
-    with torch.device("meta"):
-        mtp = DeepseekV4MtpForCausalLM(DeepseekV4MtpConfig.from_target_config(tc))
-    head_dev = target.lm_head.weight.device
-    mtp = mtp.to_empty(device=head_dev).eval()
-    fill_random_(mtp, torch.Generator(device=head_dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
-    for name, prm in mtp.named_parameters():
-        if prm.dtype == torch.float32 and not any(k in name for k in mtp._keep_in_fp32_modules_strict):
-            prm.data = prm.data.to(torch.bfloat16)
+    mtp = random_drafter(DeepseekV4MtpForCausalLM, DeepseekV4MtpConfig.from_target_config(tc),
+                         target.lm_head.weight.device, gen)
     mtp.bind(target)
     return target, mtp, device_map
 

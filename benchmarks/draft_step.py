@@ -77,6 +77,27 @@ def init_rotary_(target, config) -> None:
             module.to(device)
 
 
+def init_hash_routers_(target, config, gen: torch.Generator) -> None:
+    """Each hash-routed layer's fixed token -> experts table: distinct random experts per token."""
+    for layer in target.model.layers:
+        router = layer.mlp.gate
+        if hasattr(router, "tid2eid"):
+            e, k = config.n_routed_experts, config.num_experts_per_tok
+            router.tid2eid.copy_(torch.rand(config.vocab_size, e, generator=gen).argsort(-1)[:, :k])
+
+
+def random_drafter(model_cls, config, device, gen: torch.Generator):
+    """A drafter built on ``device`` with random weights: bf16 but for the modules it keeps in fp32."""
+    with torch.device("meta"):
+        drafter = model_cls(config)
+    drafter = drafter.to_empty(device=device).eval()
+    fill_random_(drafter, torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
+    for name, prm in drafter.named_parameters():
+        if prm.dtype == torch.float32 and not any(k in name for k in drafter._keep_in_fp32_modules_strict):
+            prm.data = prm.data.to(torch.bfloat16)
+    return drafter
+
+
 def random_pair(tiny: bool, dev: torch.device, gen: torch.Generator, experts: int | None = None):
     """A V4(-Flash)-shaped bf16 target and its bound MTP (reference attention), random weights
     drawn from ``gen``; the MTP's dense weights in bf16 as a user would load them.  ``experts``:

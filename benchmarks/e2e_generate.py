@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batched_generate import build_split_target, left_pad  # noqa: E402
-from draft_step import fill_random_  # noqa: E402
+from draft_step import fill_random_, random_drafter  # noqa: E402
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -248,15 +248,7 @@ def build_dspark(target, gen: torch.Generator):
         {**target.config.to_dict(), "dspark_block_size": 5,
          "dspark_noise_token_id": min(128799, target.config.vocab_size - 1),
          "dspark_target_layer_ids": list(range(max(0, layers - 3), layers)), "dspark_markov_rank": min(256, target.config.hidden_size)})
-    with torch.device("meta"):
-        drafter = DeepseekV4DSparkForCausalLM(config)
-    dev = target.lm_head.weight.device
-    drafter = drafter.to_empty(device=dev).eval()
-    fill_random_(drafter, torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
-    for name, prm in drafter.named_parameters():
-        if prm.dtype == torch.float32 and not any(k in name for k in drafter._keep_in_fp32_modules_strict):
-            prm.data = prm.data.to(torch.bfloat16)
-    return drafter.bind(target)
+    return random_drafter(DeepseekV4DSparkForCausalLM, config, target.lm_head.weight.device, gen).bind(target)
 
 
 def profiles_for(name: str, profiles: list[str]) -> list[str]:
@@ -556,7 +548,7 @@ def batched_cases(target, mtp, ctl, args, rows, checks, label):
                                                              eos_token_id=None), args.repeats)
             truth = [chain(int(p[-1]), n, ctl.vocab) for p in prompts]
             checks[f"{label} B={b}: ragged plain is the controlled chain"] = ref == truth
-            for name in args.profiles:
+            for name in profiles_for("mtp", args.profiles):  # speculative_generate drafts with the MTP
                 ctl.profile = PROFILES[name]
                 ctl.rng = random.Random(SEED)
                 kw = dict(max_new_tokens=n, num_assistant_tokens=k, eos_token_id=[])

@@ -25,7 +25,7 @@ import torch
 from transformers import DeepseekV4Config, __version__ as transformers_version
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from draft_step import init_rotary_  # noqa: E402
+from draft_step import init_hash_routers_, init_rotary_  # noqa: E402
 
 # The native V4-Flash release's quantization config (config.json), expert dtype included.
 RELEASE_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
@@ -225,11 +225,7 @@ def build_peer(layers: int, tiny: bool, gen: torch.Generator, device: torch.devi
                            f"int8-packed FP4 experts (swapped: {counts}, experts: {type(experts).__name__})")
     model.to_empty(device=device)
     fill_peer_(model, torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen))))
-    for layer in model.model.layers:
-        router = layer.mlp.gate
-        if hasattr(router, "tid2eid"):  # hash routing: a fixed random token -> distinct experts table
-            e, k = tc.n_routed_experts, tc.num_experts_per_tok
-            router.tid2eid.copy_(torch.rand(tc.vocab_size, e, generator=gen).argsort(-1)[:, :k])
+    init_hash_routers_(model, tc, gen)
     init_rotary_(model, tc)
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
