@@ -73,7 +73,7 @@ def drafts(mtp, ids: torch.Tensor, residual: torch.Tensor, context: int, k: int)
     return torch.cat(toks, 1), torch.stack(logits, 1)
 
 
-def main(argv: list[str] | None = None):
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--batch", type=int, default=16)
@@ -81,7 +81,13 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--drafts", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def agreement(args: argparse.Namespace) -> dict:
+    """bf16 against fp32 MTP drafts on held-out windows: ``same`` of ``counted`` draft positions (a position
+    counts while the drafts before it agreed), the fp32 top-2 logit ``gaps``, the fp32 ``logits_rms`` and the
+    number of held-out ``modules``."""
     target, mtp16, tokenizer = load_demo_pair(args.device, torch.bfloat16)
     _, mtp32, _ = load_demo_pair(args.device, torch.float32)
     streams = held_out_streams(tokenizer, args.context + 2)
@@ -99,14 +105,21 @@ def main(argv: list[str] | None = None):
         counted += int(valid.sum())
         top2 = l32.topk(2, dim=-1).values
         gaps.append((top2[..., 0] - top2[..., 1]).flatten().cpu())
-    g = torch.cat(gaps)
-    q = g.quantile(torch.tensor([0.01, 0.05, 0.5])).tolist()
-    print(f"demo pair, {len(streams)} held-out modules, {args.rounds} x {args.batch} windows of {args.context} tokens, "
+    return dict(same=same, counted=counted, gaps=torch.cat(gaps), logits_rms=float(l32.pow(2).mean().sqrt()),
+                modules=len(streams))
+
+
+def main(argv: list[str] | None = None):
+    args = parse(argv)
+    r = agreement(args)
+    same, counted = r["same"], r["counted"]
+    q = r["gaps"].quantile(torch.tensor([0.01, 0.05, 0.5])).tolist()
+    print(f"demo pair, {r['modules']} held-out modules, {args.rounds} x {args.batch} windows of {args.context} tokens, "
           f"K={args.drafts}, device {args.device}")
     print(f"bf16 MTP vs fp32 MTP, same bf16 target residuals: same greedy draft at {same}/{counted} positions "
           f"({100 * same / counted:.1f}%)")
     print(f"fp32 top-2 logit gap: 1% {q[0]:.4f}, 5% {q[1]:.4f}, median {q[2]:.3f}; logits rms "
-          f"{float(l32.pow(2).mean().sqrt()):.2f}")
+          f"{r['logits_rms']:.2f}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def rel_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=1) / b.norm(dim=1).clamp(min=1e-30)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tiny", action="store_true", help="the small smoke-test shapes of draft_step.py")
@@ -69,7 +69,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", default="flashinfer", choices=["flashinfer", "reference"],
                    help="the fast path's attention backend (CUDA)")
     p.add_argument("--seed", type=int, default=None, help="default: fresh")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def measure(args: argparse.Namespace):
+    """``(seed, routed experts, {path: {stage: output}}, the compared pairs)``: one draft step's stages on the fp32 reference,
+    the bf16 reference and (CUDA) the fast path, on the same random MTP, cache, token and residual."""
     dev = torch.device(args.device)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device=dev)
@@ -91,21 +96,36 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             mtp.config.attention_backend = "reference"
     pairs = [("bf16", "fp32")] + ([("fast", "fp32"), ("fast", "bf16")] if "fast" in paths else [])
+    return seed, c.n_routed_experts, paths, pairs
 
-    print(f"seed {seed}; {dev}; experts {c.n_routed_experts}; batch {args.batch}; context {args.context}"
+
+def errors(paths, pairs) -> dict[str, list[tuple[float, float] | None]]:
+    """Per stage, per pair: the (median, max) relative error over the batch rows (None: a stage a path skips,
+    e.g. the experts module under the fused MoE op)."""
+    out = {}
+    for name in paths["fp32"]:
+        if name == "token":
+            continue
+        out[name] = []
+        for a, b in pairs:
+            if name in paths[a] and name in paths[b] and paths[a][name].shape == paths[b][name].shape:
+                r = rel_rows(paths[a][name], paths[b][name])
+                out[name].append((float(r.median()), float(r.max())))
+            else:
+                out[name].append(None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    seed, experts, paths, pairs = measure(args)
+    print(f"seed {seed}; {args.device}; experts {experts}; batch {args.batch}; context {args.context}"
           + (f"; fast path attention {args.attention}" if "fast" in paths else ""))
     print(f"{'stage':38s} {'shape':>20s} {'rms':>9s}  " + "  ".join(f"{a + ' vs ' + b:>19s}" for a, b in pairs))
     print(f"{'':38s} {'':>20s} {'':>9s}  " + "  ".join(f"{'median':>9s} {'max':>9s}" for _ in pairs))
-    for name, want in paths["fp32"].items():
-        if name == "token":
-            continue
-        cols = []
-        for a, b in pairs:  # a stage a path skips (e.g. the experts module under the fused MoE op): "-"
-            if name in paths[a] and name in paths[b] and paths[a][name].shape == paths[b][name].shape:
-                r = rel_rows(paths[a][name], paths[b][name])
-                cols.append(f"{r.median():9.2e} {r.max():9.2e}")
-            else:
-                cols.append(f"{'-':>9s} {'-':>9s}")
+    for name, errs in errors(paths, pairs).items():
+        want = paths["fp32"][name]
+        cols = [f"{e[0]:9.2e} {e[1]:9.2e}" if e else f"{'-':>9s} {'-':>9s}" for e in errs]
         print(f"{name:38s} {str(tuple(want.shape)):>20s} {want.pow(2).mean().sqrt():9.3e}  " + "  ".join(cols))
     n = args.batch
     print("same greedy token: " + ", ".join(
