@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import graphed_us  # noqa: E402  (CUDA graph of calls back to back, median per call)
 
 from dsv4_mtp_hf.ops.attention import sliding_window_attention_reference  # noqa: E402
 from dsv4_mtp_hf.ops.triton import attention_triton as at  # noqa: E402
@@ -64,24 +65,6 @@ def settings(names: str | None):
         keep = names.split(",")
         s = [x for x in s if x[0] in keep]
     return s
-
-
-def graphed_us(fn, calls: int, iters: int) -> float:
-    """Median µs per call: a CUDA graph of ``calls`` calls back to back, events around each replay."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record(); g.replay(); b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / calls
 
 
 def check(fn, want):

@@ -27,87 +27,13 @@ import sys
 import time
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from draft_step import fill_random_, init_hash_routers_, init_rotary_, random_drafter  # noqa: E402
+from common import build_split_target, left_pad, wall  # noqa: E402
 
-from dsv4_mtp_hf import DeepseekV4MtpConfig, DeepseekV4MtpForCausalLM, load_demo_pair  # noqa: E402
+from dsv4_mtp_hf import load_demo_pair  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
-
-
-def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
-                       packed_experts: bool = False):
-    """A random V4-Flash-shaped target (``layers`` decoder layers over the visible GPUs) and its bound MTP.
-    ``packed_experts``: the routed experts random MXFP4 from the start (``DeepseekV4PackedExpertsForCausalLM``,
-    as ``from_pretrained`` of a release builds it), never allocated in bf16: 5 layers fit an 80 GB GPU."""
-    from accelerate import dispatch_model
-
-    from dsv4_mtp_hf import DeepseekV4PackedExpertsForCausalLM
-
-    types = (["heavily_compressed_attention", "compressed_sparse_attention"] * layers)[:layers]
-    kw = dict(num_hidden_layers=layers, layer_types=types, mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
-    if tiny:
-        kw.update(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_attention_heads=4, head_dim=64,
-                  q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=16, sliding_window=16,
-                  index_n_heads=8, index_head_dim=32, partial_rotary_factor=0.25,
-                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
-    tc = DeepseekV4Config(**kw)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # bf16 weights; modules transformers keeps in fp32 stay fp32
-    try:
-        with torch.device("meta"):
-            target = (DeepseekV4PackedExpertsForCausalLM if packed_experts else DeepseekV4ForCausalLM)(tc)
-    finally:
-        torch.set_default_dtype(default)
-    n = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
-    dev = (lambda i: f"cuda:{i}") if torch.cuda.is_available() else (lambda i: "cpu")
-    device_map = {"model.embed_tokens": dev(0), "model.rotary_emb": dev(0)}
-    for i in range(layers):
-        device_map[f"model.layers.{i}"] = dev(min(n - 1, i * n // layers))
-    device_map.update({"model.hc_head": dev(n - 1), "model.norm": dev(n - 1), "lm_head": dev(n - 1)})
-    for name, d in device_map.items():
-        module = target.get_submodule(name)
-        module.to_empty(device=d)
-        g = torch.Generator(device=d).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-        fill_random_(module, g)
-    init_hash_routers_(target, tc, gen)
-    init_rotary_(target, tc)
-    target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
-    target.eval()
-    mtp = random_drafter(DeepseekV4MtpForCausalLM, DeepseekV4MtpConfig.from_target_config(tc),
-                         target.lm_head.weight.device, gen)
-    mtp.bind(target)
-    return target, mtp, device_map
-
-
-def sync():
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
-
-
-def wall(fn, repeats: int) -> float:
-    """Median wall-clock seconds of `fn()` over `repeats` runs (after one warm-up run)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def left_pad(prompts, pad: int, device):
-    width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - p.numel():], mask[i, width - p.numel():] = p, 1
-    return ids.to(device), mask.to(device)
 
 
 class OracleDrafts:

@@ -46,8 +46,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from batched_generate import build_split_target, left_pad  # noqa: E402
-from draft_step import fill_random_, random_drafter  # noqa: E402
+from common import build_split_target, left_pad, random_drafter  # noqa: E402
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -610,8 +609,9 @@ def main():
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
                                                 packed_experts=args.fp4_experts)
-            built = {"mtp": lambda: mtp, "dspark": lambda: build_dspark(target, torch.Generator().manual_seed(SEED + 2))}
-            drafters = {name: built[name]() for name in args.drafters}  # measured in the order given
+            drafters = {}
+            for name in args.drafters:  # measured in the order given
+                drafters[name] = mtp if name == "mtp" else build_dspark(target, torch.Generator().manual_seed(SEED + 2))
             if args.graph_target:  # rounds verify at most a DSpark block (5) drafts
                 graph_target(target, max_length=args.prompt + args.new_tokens + 8, max_rollback=5)
             ctl = Controlled(target, mtp, target.config.vocab_size)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import triton  # noqa: E402
 
-from attention_op import graphed_us  # noqa: E402  (CUDA graph of calls back to back, median per call)
+from common import graphed_us  # noqa: E402  (CUDA graph of calls back to back, median per call)
 from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_head_reference, hc_pre_op, hc_pre_reference  # noqa: E402
 from dsv4_mtp_hf.ops.triton import hyper_connection_triton as hct  # noqa: E402
 from dsv4_mtp_hf.ops.triton import pdl  # noqa: E402

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dsv4_mtp_hf.configuration import DeepseekV4MtpConfig  # noqa: E402
 from dsv4_mtp_hf.ops.skinny_linear import mtp_dense_shapes, skinny_linear_op, skinny_linear_cat_op  # noqa: E402
-import draft_step as ds  # noqa: E402  (the random V4-Flash pair, timing and copy-bandwidth helpers)
+import common  # noqa: E402  (the random V4-Flash pair, timing and copy-bandwidth helpers)
 
 
 def graph_replay_us(fn, iters: int, before=None) -> tuple[float, torch.cuda.CUDAGraph]:
@@ -122,7 +122,7 @@ def sweep(args):
 
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = ds.copy_bandwidth()
+    bw = common.copy_bandwidth()
     timer = Timer(args.iters, args.flush)
     out, t0 = [], time.time()
     for name, ns, k, groups, dtype in mtp_dense_shapes(cfg):
@@ -184,7 +184,7 @@ def stream(args):
 
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = ds.copy_bandwidth()
+    bw = common.copy_bandwidth()
     d = cfg.hidden_size
     shapes = [(name, ns, k, groups) for name, ns, k, groups, dtype in mtp_dense_shapes(cfg) if dtype == torch.bfloat16]
     shapes.append(("e/h sum (h_proj x4 + e_proj)", (d,), 2 * d, 0))
@@ -238,7 +238,7 @@ def lm_head(args):
     median of ``--iters``; the kernels of one replay from the profiler."""
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     v, d = cfg.vocab_size, cfg.hidden_size
-    bw = ds.copy_bandwidth()
+    bw = common.copy_bandwidth()
     w = (torch.randn(v, d, device="cuda") * d**-0.5).bfloat16()
     floor = v * d * 2 / bw * 1e6
     out = []
@@ -280,13 +280,13 @@ def draft_step_effect(args):
     sl = importlib.import_module("dsv4_mtp_hf.ops.skinny_linear")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(int(time.time()))
-    target, mtp = ds.random_pair(False, dev, gen)
+    target, mtp = common.random_pair(False, dev, gen)
     lin = importlib.import_module("dsv4_mtp_hf.layers.linear")
     saved = sl.use_skinny, lin.use_skinny
     result = {}
     try:
         for bsz in [int(b) for b in args.batches.split(",")]:
-            paged, pids, phs, lengths = ds.prefilled_paged_cache(mtp, bsz, 127, gen)
+            paged, pids, phs, lengths = common.prefilled_paged_cache(mtp, bsz, 127, gen)
             paged2 = mtp.new_cache(paged=True, batch_size=bsz)
             with torch.no_grad():
                 mtp(pids[:, :-1], phs[:, :-1], past_key_values=paged2)  # the same 127 rows as `paged`
@@ -311,7 +311,7 @@ def draft_step_effect(args):
             med = {False: [], True: []}
             for _ in range(3):
                 for on in (False, True):
-                    med[on].append(ds.time_ms(replays[on], args.iters))
+                    med[on].append(common.time_ms(replays[on], args.iters))
             off_ms, on_ms = statistics.median(med[False]), statistics.median(med[True])
             result[bsz] = dict(off_ms=off_ms, on_ms=on_ms, rounds_off=med[False], rounds_on=med[True], logits_rel_err=rel,
                                same_drafts=bool(torch.equal(d0, d1)))
@@ -356,7 +356,7 @@ def main():
         return lm_head(args)
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = ds.copy_bandwidth()
+    bw = common.copy_bandwidth()
     timer = Timer(args.iters, args.flush)
     rows_list = [int(r) for r in args.rows.split(",")]
     rows = []

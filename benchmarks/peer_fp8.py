@@ -25,7 +25,7 @@ import torch
 from transformers import DeepseekV4Config, __version__ as transformers_version
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from draft_step import init_hash_routers_, init_rotary_  # noqa: E402
+from common import init_hash_routers_, init_rotary_  # noqa: E402
 
 # The native V4-Flash release's quantization config (config.json), expert dtype included.
 RELEASE_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],

@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import draft_step as ds  # noqa: E402  (the benchmark's random pair, cache and reference switches)
+import common  # noqa: E402  (the random pair, cache and reference switches)
 
 
 def stage_outputs(mtp, tok, res, paged, lengths) -> dict[str, torch.Tensor]:
@@ -79,15 +79,15 @@ def measure(args: argparse.Namespace):
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
-    _, mtp = ds.random_pair(args.tiny, dev, gen, experts=args.experts)  # the MTP holds its target
-    paged, _, _, lengths = ds.prefilled_paged_cache(mtp, args.batch, args.context, gen)
+    _, mtp = common.random_pair(args.tiny, dev, gen, experts=args.experts)  # the MTP holds its target
+    paged, _, _, lengths = common.prefilled_paged_cache(mtp, args.batch, args.context, gen)
     c = mtp.config
     tok = torch.randint(0, c.vocab_size, (args.batch, 1), device=dev, generator=gen)
     res = torch.randn(args.batch, 1, c.hc_mult, c.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
 
-    with ds.fp32_reference(mtp):
+    with common.fp32_reference(mtp):
         paths = {"fp32": stage_outputs(mtp, tok, res, paged, lengths)}
-    with ds.hand_written_kernels(False), ds.reference_experts(mtp):
+    with common.hand_written_kernels(False), common.reference_experts(mtp):
         paths["bf16"] = stage_outputs(mtp, tok, res, paged, lengths)
     if dev.type == "cuda":
         mtp.config.attention_backend = args.attention

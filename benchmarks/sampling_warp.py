@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_op import graphed_us  # noqa: E402  (a CUDA graph of the call, median per replay)
+from common import graphed_us  # noqa: E402  (a CUDA graph of the call, median per replay)
 from dsv4_mtp_hf.generation import sampling  # noqa: E402
 
 VOCAB = 129280

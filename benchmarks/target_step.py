@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from batched_generate import build_split_target, sync, wall  # noqa: E402
+from common import build_split_target, sync, wall  # noqa: E402
 import peer_fp8  # noqa: E402
 
 from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts  # noqa: E402
