@@ -298,7 +298,7 @@ def _cuda_pair(seed: int):
     return target.cuda(), dspark.cuda()
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_block_draft_compiles_as_one_graph_and_computes_the_eager_round(sampled):
     """The CUDA path compiles the block with ``fullgraph=True`` before capturing it; the same compile on the CPU
     (inductor) must trace it whole and give the eager round's drafts."""

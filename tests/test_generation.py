@@ -172,7 +172,8 @@ def _chi2_pvalue(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
 
 
 @pytest.mark.tf_internals
-@pytest.mark.parametrize("path", ["per-token drafts", "sampled rounds", "graphed target"])
+@pytest.mark.parametrize("path", [pytest.param("per-token drafts", marks=pytest.mark.slow), "sampled rounds",
+                                  "graphed target"])  # per-token drafts' distribution: make test-slow (test_grammar samples through them)
 def test_speculative_sampling_matches_plain_sampling_in_distribution(path, monkeypatch):
     """600 sampled assisted calls: the first three tokens are distributed as plain sampling's, whichever way the
     drafts are drawn (one forward per draft, or the sampled round of the graphs) and whichever loop verifies
