@@ -46,7 +46,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_split_target, left_pad, random_drafter  # noqa: E402
+from common import build_split_target, copy_bandwidth, left_pad, random_drafter  # noqa: E402
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -273,7 +273,10 @@ def assisted_cases(target, drafters, ctl, args, rows, checks, label):
     rows.append(dict(label=label, drafter="-", case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
                      round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0,
                      prompt_ms=1e3 * t_one))
-    bandwidth = copy_bandwidth(dev)
+    bandwidth = None
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            bandwidth = copy_bandwidth()  # read + write bytes per second
     with controlled_drafts(ctl):
         for name, drafter in drafters.items():
             for k in args.ks:
@@ -323,24 +326,6 @@ def assisted_case(target, drafter, ctl, args, prompt, kw, plain, plain_times, ca
                 target_ms=t_ms, mtp_ms=m_ms, glue_ms=None if t_ms is None else round_ms - t_ms - m_ms,
                 x_plain_step=round_ms / (1e3 * step), prompt_mtp_ms=catch_up, verified=verified,
                 acceptance=stats.acceptance_by_position)
-
-
-def copy_bandwidth(device) -> float | None:
-    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB copy, median of 5, or None."""
-    if not torch.cuda.is_available():
-        return None
-    a = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * (1 << 30) / statistics.median(times[1:])
 
 
 def _bytes(params) -> int:
