@@ -2,6 +2,7 @@
 eagerly on CPU) against transformers' own forward and generate."""
 
 import random
+import statistics
 
 import pytest
 import torch
@@ -112,8 +113,8 @@ def truth_with_mistakes(truth: torch.Tensor, wrong_at: set, sampled: bool = Fals
     return edit
 
 
-def _loop_case(seed, new_tokens, monkeypatch, sampled=False):
-    """A graphed tiny target whose MTP drafts the plain greedy output with a mistake at ~30% of the positions
+def _loop_case(seed, new_tokens, monkeypatch, sampled=False, mistakes=0.3):
+    """A graphed tiny target whose MTP drafts the plain greedy output with a mistake at ``mistakes`` of the positions
     (:func:`truth_with_mistakes`, for the test's duration), its plain greedy output, and the list that counts the
     calls our loop serves."""
     from dsv4_mtp_hf.generation import assisted_loop
@@ -124,7 +125,7 @@ def _loop_case(seed, new_tokens, monkeypatch, sampled=False):
     ids = ids_of(seed, 9)
     plain = target.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     rng = random.Random(seed)
-    wrong_at = {p for p in range(9, 9 + new_tokens) if rng.random() < 0.3}
+    wrong_at = {p for p in range(9, 9 + new_tokens) if rng.random() < mistakes}
     graph_target(target, max_length=128)
     loops = []
     real = assisted_loop.decode
@@ -133,6 +134,24 @@ def _loop_case(seed, new_tokens, monkeypatch, sampled=False):
         edited = MtpSession._draft
     monkeypatch.setattr(MtpSession, "_draft", edited)  # the edit, undone with the test's monkeypatch
     return target, mtp, ids, plain, loops
+
+
+def test_auto_takes_plain_steps_in_our_loop_when_every_draft_misses(monkeypatch):
+    """Drafts that never land: "auto" measures plain steps and runs them (the drafter keeps their rows), with a
+    rare probe; the output still equals plain greedy.  A drafted round is made to cost two plain steps (a CPU's
+    timings of a tiny pair say little)."""
+    from dsv4_mtp_hf.generation.draft_length import AutoDraftLength
+
+    target, mtp, ids, plain, loops = _loop_case(SEED + 23, 80, monkeypatch, mistakes=1.0)
+    plain_step = lambda self: statistics.median(self.times[0][1:][-32:])  # noqa: E731  (what choose weighs)
+    monkeypatch.setattr(AutoDraftLength, "round_time", lambda self, k, r: 2 * plain_step(self))
+    got = target.generate(ids, assistant_model=mtp, num_assistant_tokens="auto", max_new_tokens=80, do_sample=False,
+                          eos_token_id=None)
+    assert torch.equal(got, plain) and loops == [1]
+    lengths = mtp.last_generation_stats.draft_lengths
+    print("draft lengths:", lengths)
+    assert mtp.last_generation_stats.accepted == 0
+    assert lengths[-40:].count(0) >= 38, lengths  # plain steps, at most a probe or two
 
 
 @pytest.mark.tf_internals
