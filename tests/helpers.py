@@ -2,6 +2,9 @@
 
 import contextlib
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -168,6 +171,18 @@ def draw_until_clear(attempt, tries: int = 20) -> int:
         finally:
             margins.close()
     raise AssertionError(f"{tries} draws failed, each with a choice within {DecisionMargins.EPS} of a tie: {near}")
+
+
+def run_fresh_python(script: str, *args, tmp_path) -> str:
+    """``script`` in a fresh Python process, offline, with its own Hub module cache under ``tmp_path`` (so remote
+    code is fetched from the saved folder, never from a cache of this process): its stdout; a failure raises
+    with the end of its stderr."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "HF_HOME": str(tmp_path / "hf_home")}
+    res = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
 
 
 def load_benchmark(name: str):

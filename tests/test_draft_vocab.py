@@ -4,9 +4,6 @@ acceptance collapsed under a reduced vocabulary warns, naming the cause and the 
 
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ from dsv4_mtp_hf.draft_vocab import (
 from dsv4_mtp_hf.generation.speculative import speculative_generate
 from dsv4_mtp_hf.generation.stats import BatchGenerationStats, GenerationStats
 
-from .helpers import edited_drafts, tiny_pair, truth_drafts
+from .helpers import edited_drafts, run_fresh_python, tiny_pair, truth_drafts
 
 LOGGER = "dsv4_mtp_hf.draft_vocab"
 
@@ -101,12 +98,8 @@ def test_draft_vocab_ids_survive_the_remote_code_path(tmp_path):
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "print(type(m).__name__, m.config.draft_vocab_ids, m.draft_vocab_ids().tolist())\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "HF_HOME": str(tmp_path / "hf_home")}
-    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "d")], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "DeepseekV4MtpForCausalLM [5, 17, 200] [5, 17, 200]" in res.stdout
+    stdout = run_fresh_python(script, tmp_path / "d", tmp_path=tmp_path)
+    assert "DeepseekV4MtpForCausalLM [5, 17, 200] [5, 17, 200]" in stdout
 
 
 def test_a_new_subset_on_a_rebound_target_gathers_the_new_head():

@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from dsv4_mtp_hf import DeepseekV4MtpForCausalLM, fp4
 from dsv4_mtp_hf.loading import MtpCheckpointError
 from dsv4_mtp_hf.loading.formats import dequantize_fp8_block, quantize_fp8_block
 
-from .helpers import tiny_pair
+from .helpers import run_fresh_python, tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 E8M0 = torch.float8_e8m0fnu
@@ -417,12 +415,8 @@ def test_trust_remote_code_loads_the_saved_draft_in_a_fresh_process(tmp_path):
         "print(type(m).__module__, type(m).__name__, m.config.model_type)\n"
         "save_file({k: v.contiguous() for k, v in m.state_dict().items()}, sys.argv[2])\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "HF_HOME": str(tmp_path / "hf_home")}
-    res = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "sd.safetensors")],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "dsv4_mtp_hf.modeling DeepseekV4MtpForCausalLM deepseek_v4_mtp" in res.stdout
+    stdout = run_fresh_python(script, out, tmp_path / "sd.safetensors", tmp_path=tmp_path)
+    assert "dsv4_mtp_hf.modeling DeepseekV4MtpForCausalLM deepseek_v4_mtp" in stdout
     with safe_open(str(tmp_path / "sd.safetensors"), framework="pt") as f:
         a = state(ref)
         assert set(f.keys()) == set(a)
