@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from transformers import PreTrainedConfig
 
 from .fp4 import FORMATS, get_format
@@ -44,12 +45,15 @@ BINDING_FIELDS = ("vocab_size", "hidden_size", "hc_mult", "rope_theta", "qk_rope
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer")
 
 
-def normalize_draft_vocab(token_ids, vocab_size: int) -> list[int]:
-    """A draft vocabulary as a sorted list of unique ints in ``[0, vocab_size)``; anything else raises."""
+def token_id_list(token_ids, what: str = "token ids") -> list[int]:
+    """``token_ids`` (a tensor or array of any shape, or an iterable of ints) as a flat list of Python ints;
+    floats, bools and strings raise an error naming ``what``."""
     if hasattr(token_ids, "reshape") and hasattr(token_ids, "tolist"):  # a tensor or an array, any shape
+        if getattr(token_ids, "dtype", None) is not None and not _integer_dtype(token_ids.dtype):
+            raise ValueError(f"{what} must be integers, got dtype {token_ids.dtype}.")
         token_ids = token_ids.reshape(-1).tolist()
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise ValueError(f"a draft vocabulary is a list of token ids, got {type(token_ids).__name__}.")
+        raise ValueError(f"{what}: expected a list of token ids, got {type(token_ids).__name__}.")
     flat = []
     for v in token_ids:
         try:
@@ -57,8 +61,19 @@ def normalize_draft_vocab(token_ids, vocab_size: int) -> list[int]:
                 raise TypeError
             flat.append(operator.index(v))
         except TypeError:
-            raise ValueError(f"draft vocabulary ids must be integers, got {v!r}.") from None
-    ids = sorted(set(flat))
+            raise ValueError(f"{what} must be integers, got {v!r}.") from None
+    return flat
+
+
+def _integer_dtype(dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return getattr(dtype, "kind", "i") in "iu"  # numpy
+
+
+def normalize_draft_vocab(token_ids, vocab_size: int) -> list[int]:
+    """A draft vocabulary as a sorted list of unique ints in ``[0, vocab_size)``; anything else raises."""
+    ids = sorted(set(token_id_list(token_ids, "draft vocabulary ids")))
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"draft vocabulary ids must be a non-empty set within [0, {vocab_size}).")
     return ids

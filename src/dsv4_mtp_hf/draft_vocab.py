@@ -10,11 +10,12 @@ reduced vocabulary.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping
 
 import torch
 from transformers.utils import logging as hf_logging
+
+from .configuration import token_id_list
 
 logger = hf_logging.get_logger(__name__)
 
@@ -29,19 +30,7 @@ def _as_id_tensor(ids) -> torch.Tensor:
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise ValueError(f"token ids must be an integer tensor, got dtype {ids.dtype}.")
         return ids.detach().reshape(-1).to(device="cpu", dtype=torch.long)
-    if hasattr(ids, "reshape") and hasattr(ids, "tolist"):  # a numpy array
-        ids = ids.reshape(-1).tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"expected token ids (ints), got {type(ids).__name__}.")
-    out = []
-    for v in ids:
-        try:
-            if isinstance(v, (bool, float)):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
-            raise ValueError(f"token ids must be integers, got {v!r}.") from None
-    return torch.tensor(out, dtype=torch.long)
+    return torch.tensor(token_id_list(ids), dtype=torch.long)  # a numpy array, or an iterable of ints
 
 
 def draft_vocab_from_corpus(corpus, size: int, always: Iterable[int] = (),
