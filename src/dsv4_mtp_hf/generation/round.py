@@ -51,6 +51,12 @@ def cut(tokens: list[int], eos: set[int], room: int) -> list[int]:
     return tokens[:end]
 
 
+def accepted_prefix(drafts: list[int], choices: list[int]) -> int:
+    """Greedy acceptance read on the host (the batched loop's ragged rounds): the drafts equal to the target's
+    choices at their rows, up to the first that is not -- the rule :func:`accept` applies on the device."""
+    return next((n for n, (d, c) in enumerate(zip(drafts, choices)) if d != c), len(drafts))
+
+
 def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_logits: torch.Tensor | None = None,
            warpers=None, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Acceptance of B rounds on the device: ``drafts [B, k]``, the target's logits at the verified rows

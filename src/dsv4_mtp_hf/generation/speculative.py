@@ -227,6 +227,14 @@ class _Batch:
     def verify(self, seqs: list[int], drafts: list[list[int]], dists, logits: torch.Tensor, offsets):
         """Each sequence's acceptance (:func:`.round.accept`, greedy or speculative sampling) of its drafts against
         the target's logits at its verified rows: ``[(accepted, tokens kept)]``, in one host read."""
+        if self.warpers is None:  # greedy: one argmax over every verified row of the batch
+            choices = logits.argmax(-1).tolist()
+            out = []
+            for j, d in enumerate(drafts):
+                selected = choices[offsets[j] : offsets[j + 1]]
+                a = rounds.accepted_prefix(d, selected)
+                out.append((a, selected[: a + 1]))
+            return out
         results = []
         for j, d in enumerate(drafts):
             rows = logits[offsets[j] : offsets[j + 1]][None]
