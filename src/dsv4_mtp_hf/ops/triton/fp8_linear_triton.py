@@ -1,0 +1,141 @@
+"""Triton kernel behind ``dsv4_mtp::fp8_linear`` on CUDA: a W8A16 weight stream for a few rows.
+
+The layout of ``skinny_linear_triton`` ("swap AB": ``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16
+by masked loads, one program per ``BLOCK_N`` output columns, K split over programs with a fixed-order
+reduction when N alone cannot fill the GPU).  The weight tile is FP8: it is widened to x's dtype in
+registers (exact: e4m3 values fit bf16), multiplied in a fresh accumulator per 128-column K block and added
+times that block's scale.  ``BLOCK_N`` divides 128 and tiles start at multiples of it, so a tile lies in
+one scale row and every K step reads one scale.  No atomics, fixed grids, no host sync: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_linear import BLOCK, check_fp8_linear_inputs, fp8_linear_op, fp8_linear_reference
+from . import pdl
+from .pdl import wait
+from .skinny_linear_triton import REDUCE_BLOCK, _reduce_kernel, _sm_count
+
+MAX_KERNEL_ROWS = 64  # beyond this the reference runs: a GEMM on the dequantised weight
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # fp32 activations run the reference
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    block_n: int
+    split: int = 1
+    block_k: int = BLOCK
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+                       N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr, GROUPED: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait(PDL)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    out_ptr += pid_k.to(tl.int64) * stride_os
+    x_col0 = 0
+    if GROUPED:
+        x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+    mmask = rm < M
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (x_col0 + k_lo + rk)[:, None]
+    s_row = s_ptr + (pid * BLOCK_N // SCALE_BLOCK).to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
+            s = tl.load(s_row + (k_lo + k) // SCALE_BLOCK)
+        else:
+            kmask = (k_lo + k + rk) < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
+            s = tl.load(s_row + (k_lo + k) // SCALE_BLOCK, mask=(k_lo + k) < K, other=0.0)
+        acc += tl.dot(w.to(xt.dtype), xt) * s
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
+
+
+def pick_config(m: int, n: int, k: int, groups: int, sms: int = 132) -> Fp8Config | None:
+    """The tallest tile (64, 32 or 16 rows, each dividing 128 and the group) that still gives about one
+    program per SM; K is split (in whole 128-column blocks) only when N alone cannot fill the GPU.
+    None: the kernel does not take the shape."""
+    per_group = n // groups
+
+    def fits(bn):
+        return groups == 1 or per_group % bn == 0
+
+    candidates = [bn for bn in (64, 32, 16) if fits(bn)]
+    if not candidates or m > MAX_KERNEL_ROWS:
+        return None
+    bn = next((c for c in candidates if triton.cdiv(n, c) >= 0.9 * sms), candidates[-1])
+    bk = BLOCK if k >= BLOCK else max(16, triton.next_power_of_2(k))
+    blocks = triton.cdiv(k, BLOCK)
+    split = 1
+    while triton.cdiv(n, bn) * split < 0.9 * sms and blocks // (2 * split) >= 2 and split < 64:
+        split *= 2
+    return Fp8Config(bn, split, bk, num_warps=4, num_stages=6 if bn <= 32 else 4)
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1,
+                      config: Fp8Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, G*K]`` (unit stride along K) times the FP8 ``weight [N, K]`` with its block ``scale``."""
+    m, (n, k) = x.shape[0], weight.shape
+    if config is None:
+        config = pick_config(m, n, k, groups, _sm_count(x.device.index if x.device.index is not None
+                                                        else torch.cuda.current_device()))
+        if config is None:
+            raise ValueError(f"fp8_linear: no kernel configuration for M={m}, N={n}, K={k}, groups={groups}.")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bn, bk = config.block_n, config.block_k
+    blocks = triton.cdiv(k, BLOCK)
+    k_split = triton.cdiv(blocks, config.split) * BLOCK  # whole scale blocks per split
+    split = triton.cdiv(k, k_split)
+    even = n % bn == 0 and k % k_split == 0 and k_split % bk == 0
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    pdl_kw = pdl.launch_args(x.device)
+    _fp8_linear_kernel[(triton.cdiv(n, bn), split)](
+        x, weight, scale, target, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), n, m * n, n // groups,
+        K_SPLIT=k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, SCALE_BLOCK=BLOCK,
+        EVEN=even, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
+    )
+    if split > 1:
+        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
+                                                             num_warps=4, **pdl_kw)
+    return out
+
+
+def kernel_takes(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Rows, dtypes and layouts the kernel handles; the rest runs the reference (a prompt's GEMM)."""
+    if x.dtype not in KERNEL_DTYPES or weight.stride(1) != 1 or weight.shape[1] < 16:
+        return False
+    return pick_config(x.shape[0], weight.shape[0], weight.shape[1], groups) is not None
+
+
+@fp8_linear_op.register_kernel("cuda")
+def _fp8_linear_cuda(x, weight, scale, groups=1):
+    check_fp8_linear_inputs(x, weight, scale, groups)
+    if not kernel_takes(x, weight, groups):
+        return fp8_linear_reference(x, weight, scale, groups)
+    with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensor's
+        return fp8_linear_triton(x if x.stride(-1) == 1 else x.contiguous(), weight, scale.contiguous(), groups)
