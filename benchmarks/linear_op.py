@@ -18,7 +18,8 @@ come from HBM, as in a draft step), timed with CUDA events around the replay alo
 of ``--iters``.  Floor = bytes read and written (weights + x + out) over the device-to-device
 copy bandwidth of the same run; ``%copy`` = floor / time.  Other modes: ``--sweep`` times a few
 other launch configurations of our kernel per shape (M = 1 and 16); ``--lm-head`` the lm head's
-GEMV called four ways (F.linear, mv, matmul, ours); ``--draft-step`` times the
+GEMV called four ways (F.linear, mv, matmul, ours); ``--fp8`` the target's FP8 projections
+(``dsv4_mtp::fp8_linear``) against their bf16 copies; ``--draft-step`` times the
 compiled + graphed V4-Flash draft step with the op off (cuBLAS) and on, same run.
 Correctness (NaN-poisoned outputs, every shape, M = 1..16) lives in tests/test_skinny_linear.py.
 """
@@ -326,6 +327,54 @@ def draft_step_effect(args):
             json.dump(result, f, indent=2)
 
 
+def target_fp8_shapes(cfg) -> list[tuple[str, int, int, int]]:
+    """The V4 target layer's projections a release stores in FP8: (name, N, K, groups)."""
+    d, h, g = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.o_groups
+    return [("q_a_proj", cfg.q_lora_rank, d, 1), ("q_b_proj", h, cfg.q_lora_rank, 1), ("kv_proj", cfg.head_dim, d, 1),
+            ("o_a_proj (grouped)", g * cfg.o_lora_rank, h // g, g), ("o_b_proj", d, g * cfg.o_lora_rank, 1),
+            ("indexer q_b_proj", 64 * 128, cfg.q_lora_rank, 1), ("shared gate/up (each)", cfg.moe_intermediate_size, d, 1),
+            ("shared down", d, cfg.moe_intermediate_size, 1)]
+
+
+def fp8(args):
+    """``dsv4_mtp::fp8_linear`` (W8A16, the release's FP8 bytes) against the bf16 weight through our skinny op and
+    through torch (cuBLAS), on the target layer's FP8 projections; floor = the FP8 weight's bytes."""
+    from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+    from dsv4_mtp_hf.ops.fp8_linear import fp8_linear_op, fp8_linear_reference
+
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    bw, timer, rows = common.copy_bandwidth(), Timer(args.iters, args.flush), []
+    print(f"device {torch.cuda.get_device_name(0)}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name, n, k, groups in target_fp8_shapes(cfg):
+        q, s = quantize_fp8_block(torch.randn(n, k, device="cuda") * k**-0.5)
+        s = s.float()
+        w = fp8_linear_reference(torch.eye(k, device="cuda"), q, s).T.contiguous().bfloat16()
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(m, k * groups, device="cuda").bfloat16()
+            want = fp8_linear_reference(x.float(), q, s, groups)
+            err = float((fp8_linear_op(x, q, s, groups).float() - want).norm() / want.norm())
+            floor_us = (q.numel() + s.numel() * 4) / bw * 1e6
+            row = dict(shape=name, M=m, N=n, K=k, groups=groups, floor_us=floor_us, rel_err=err,
+                       fp8_us=timer.graphed_us(lambda: fp8_linear_op(x, q, s, groups)),
+                       bf16_ours_us=timer.graphed_us(ours_fn(x, [w], groups)),
+                       bf16_torch_us=timer.graphed_us(torch_fn(x, [w], groups)))
+            rows.append(row)
+            print(row, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_fp8.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), copy_bw=bw, rows=rows), f, indent=2)
+    print(f"\n{'projection':<22} {'M':>3} {'FP8 MB':>7} {'floor us':>8} {'fp8 us':>7} {'xfloor':>6} {'bf16 ours':>9} "
+          f"{'bf16 torch':>10} {'err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<22} {r['M']:>3} {r['N'] * r['K'] / 1e6:>7.2f} {r['floor_us']:>8.2f} {r['fp8_us']:>7.2f} "
+              f"{r['fp8_us'] / r['floor_us']:>6.2f} {r['bf16_ours_us']:>9.2f} {r['bf16_torch_us']:>10.2f} {r['rel_err']:>8.1e}")
+    for m in sorted({r["M"] for r in rows}):
+        sel = [r for r in rows if r["M"] == m]
+        print(f"one layer's FP8 projections, M={m} (shared gate/up counted twice): " + ", ".join(
+            f"{key} {sum(r[key] * (2 if 'each' in r['shape'] else 1) for r in sel):.1f} us"
+            for key in ("floor_us", "fp8_us", "bf16_ours_us", "bf16_torch_us")))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default=str(ROOT / "configs" / "deepseek-v4-flash-mtp.json"))
@@ -341,6 +390,8 @@ def main():
                    help="only the compiled + graphed V4-Flash draft step (batch 1, K=1) with the op off and on")
     p.add_argument("--batches", default="1", help="batch sizes for --draft-step")
     p.add_argument("--lm-head", action="store_true", help="only the lm head's GEMV: F.linear, mv, matmul, ours")
+    p.add_argument("--fp8", action="store_true",
+                   help="only the target's FP8 projections: dsv4_mtp::fp8_linear against their bf16 copies")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     from dsv4_mtp_hf.ops.triton.skinny_linear_triton import pick_config
@@ -354,6 +405,8 @@ def main():
         return stream(args)
     if args.lm_head:
         return lm_head(args)
+    if args.fp8:
+        return fp8(args)
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = common.copy_bandwidth()

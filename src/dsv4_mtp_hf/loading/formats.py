@@ -97,7 +97,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     w = w.float()
     n, k = w.shape
     rb, cb = fp8_scale_shape((n, k), block)
-    padded = torch.zeros(rb * block, cb * block)
+    padded = torch.zeros(rb * block, cb * block, device=w.device)
     padded[:n, :k] = w
     amax = padded.view(rb, block, cb, block).abs().amax(dim=(1, 3)).clamp(min=1e-30)
     e = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)

@@ -26,6 +26,7 @@ from .. import fp4, patching
 from ..compat import progress
 from ..layers.moe import FP4Experts
 from .dtypes import norms_to_compute_dtype
+from .fp8_linears import keep_fp8_linears
 
 EXPERTS_IMPLEMENTATION = "dsv4_fp4"
 QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
@@ -44,6 +45,18 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
 
 
 ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, fp4_experts_forward)
+try:  # transformers' FP8Experts (a native release loaded on a GPU) dispatch through their own registry
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+except ImportError:
+    pass
+else:
+    ALL_FP8_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, fp4_experts_forward)
+
+# What an experts module holds besides the packed copy: transformers' bf16 tensors, or its FP8Experts' packed
+# e2m1 tensors with their scales.  Freed once the packed copy is in place.
+DENSE_TENSORS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv",
+                 "up_proj_scale_inv", "gate_up_proj_activation_scale", "down_proj_activation_scale",
+                 "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
 def _experts_modules(model) -> list[tuple[int, torch.nn.Module]]:
@@ -115,6 +128,9 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
     if offloaded:
         raise ValueError(f"the experts of layers {offloaded} are offloaded (on the meta device): load the model with "
                          "its layers on GPUs or the CPU (a device_map without 'disk' entries) before packing.")
+    if reader is None and any(not ex.gate_up_proj.is_floating_point() for _, ex in layers):
+        raise ValueError("this model's experts are held quantised by transformers (FP8Experts: a native release loaded "
+                         "on a GPU); pass the release, pack_fp4_experts(model, release), to read them as stored.")
     for i, experts in progress(layers, desc=f"packing routed experts ({fmt})", unit="layer"):
         packed = _packed_module(c, fmt, experts.gate_up_proj.device)
         if reader is not None:
@@ -122,8 +138,11 @@ def pack_fp4_experts(model, release=None, *, expert_format: str | None = None, *
         else:
             _quantize_into(packed, experts)
         experts.fp4 = packed
-        del experts.gate_up_proj, experts.down_proj  # the bf16 copies (3/4 of a layer's bytes) go now
+        for name in DENSE_TENSORS:  # the wider copies (3/4 of a layer's bytes) go now
+            if getattr(experts, name, None) is not None:
+                delattr(experts, name)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    keep_fp8_linears(model)  # transformers' FP8 projections (a native release on a GPU) run our W8A16 op
     patching.install(model, "save_pretrained", functools.partial(save_packed, model))  # transformers' save drops them
     norms_to_compute_dtype(model)  # a bf16 model loaded by transformers 5.17 keeps fp32 norms its forward can't run
     return model
@@ -234,6 +253,20 @@ def save_packed(model, save_directory, **kwargs) -> None:
     push_saved_folder(save_directory, push, "Upload DeepSeek-V4 target with packed FP4 experts")
 
 
+def _experts_out_of_fp8_quantizer(config) -> None:
+    """A native release's ``quantization_config`` (FP8) makes transformers' quantizer replace every experts module
+    with its ``FP8Experts`` on a GPU, the packed one included: keep the routed experts out of it (they are read
+    packed), and the lm head, which it skips when the release names no modules."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return
+    q = dict(q) if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        return
+    skip = list(q.get("modules_to_not_convert") or ["lm_head"])
+    config.quantization_config = {**q, "modules_to_not_convert": [*skip, "mlp.experts"]}
+
+
 class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
     """transformers' ``DeepseekV4ForCausalLM`` whose routed experts are packed FP4 from the start:
     ``from_pretrained(release, ...)`` never allocates their bf16 copies (~570 GB at V4-Flash size).
@@ -246,7 +279,8 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
 
     # the expert tensors the release holds (read by us) and the packed buffers it does not (filled by us)
     _keys_to_ignore_on_load_unexpected = [*(DeepseekV4ForCausalLM._keys_to_ignore_on_load_unexpected or []),
-                                          r"\.experts\.(gate_up_proj|down_proj)$", r"\.experts\.\d+\.w[123]\."]
+                                          r"\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$",
+                                          r"\.experts\.\d+\.w[123]\."]
     _keys_to_ignore_on_load_missing = [r"\.experts\.fp4\."]
 
     def __init__(self, config):
@@ -278,6 +312,7 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
         reader = ReleaseExperts(release, config.num_hidden_layers, config.n_routed_experts, config.hidden_size,
                                 config.moe_intermediate_size, expert_format, hub)
         config._dsv4_expert_format = reader.format
+        _experts_out_of_fp8_quantizer(config)
         impl = kwargs.pop("experts_implementation", EXPERTS_IMPLEMENTATION)
         if impl != EXPERTS_IMPLEMENTATION:
             raise ValueError(f"packed experts run as experts_implementation={EXPERTS_IMPLEMENTATION!r}, not {impl!r}; "
@@ -289,6 +324,7 @@ class DeepseekV4PackedExpertsForCausalLM(DeepseekV4ForCausalLM):
                                  "and the CPU only.")
             reader.fill(i, experts.fp4)
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # whatever default loading picked
+        keep_fp8_linears(model)  # transformers' FP8 projections (a native release on a GPU) run our W8A16 op
         norms_to_compute_dtype(model)  # transformers 5.17: its loader's fp32 norms would break a bf16 forward
         return model
 

@@ -48,6 +48,7 @@ from .. import patching
 from ..compat import cache_kwarg, dynamo_recompile_limit, progress
 from .batched_state import BatchedTargetState
 from .dtypes import norms_to_compute_dtype
+from .fp8_linears import keep_fp8_linears
 from .ragged import RaggedTargetForward
 
 __all__ = ["GraphedTargetCache", "TargetGraphs", "graph_target", "ungraph_target"]
@@ -426,6 +427,7 @@ def graph_target(target, max_length: int = 4096, max_rollback: int = 8, compile:
     if graphed(target) is not None:
         raise ValueError("this target is already graphed; call ungraph_target(target) first to change max_length.")
     norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
+    keep_fp8_linears(target)  # transformers' FP8Linear (Hub kernels, W8A8) -> our capturable W8A16 op
     graphs = TargetGraphs(target, max_length, max_rollback, compile)
     bound = type(target).forward.__get__(target)
     name = cache_kwarg(target)
