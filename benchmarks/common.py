@@ -154,10 +154,11 @@ def copy_bandwidth() -> float:
 
 
 def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
-                       packed_experts: bool = False):
+                       packed_experts: bool = False, fp8_linears: bool = False):
     """A random V4-Flash-shaped target (``layers`` decoder layers over the visible GPUs) and its bound MTP.
     ``packed_experts``: the routed experts random MXFP4 from the start (``DeepseekV4PackedExpertsForCausalLM``,
-    as ``from_pretrained`` of a release builds it), never allocated in bf16: 5 layers fit an 80 GB GPU."""
+    as ``from_pretrained`` of a release builds it), never allocated in bf16: 5 layers fit an 80 GB GPU.
+    ``fp8_linears``: the projections a release stores in FP8 kept so (``quantize_fp8_linears``)."""
     from accelerate import dispatch_model
 
     from dsv4_mtp_hf import DeepseekV4PackedExpertsForCausalLM
@@ -192,6 +193,10 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
     init_rotary_(target, tc)
     target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
     target.eval()
+    if fp8_linears:
+        from dsv4_mtp_hf.target import quantize_fp8_linears
+
+        quantize_fp8_linears(target)
     mtp = random_drafter(DeepseekV4MtpForCausalLM, DeepseekV4MtpConfig.from_target_config(tc),
                          target.lm_head.weight.device, gen)
     mtp.bind(target)

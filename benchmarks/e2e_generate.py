@@ -564,6 +564,8 @@ def main():
     p.add_argument("--fp4-experts", action="store_true",
                    help="the target's routed experts random packed MXFP4 (DeepseekV4PackedExpertsForCausalLM) instead of "
                         "transformers' bf16")
+    p.add_argument("--fp8-linears", action="store_true",
+                   help="the target's projections FP8 + block scales as the release stores them (quantize_fp8_linears)")
     p.add_argument("--graph-target", action="store_true",
                    help="the target's decode steps as CUDA graphs (graph_target; needs capturable experts: "
                         "with --fp4-experts)")
@@ -590,10 +592,11 @@ def main():
     rows, checks, profiles = [], {}, []
     for layers in [int(x) for x in args.layers.split(",")]:
         label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
+            ", FP8 linears" if args.fp8_linears else "") + (
             ", graphed" if args.graph_target else "") + (", sampled" if args.sample else "")
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
-                                                packed_experts=args.fp4_experts)
+                                                packed_experts=args.fp4_experts, fp8_linears=args.fp8_linears)
             drafters = {}
             for name in args.drafters:  # measured in the order given
                 drafters[name] = mtp if name == "mtp" else build_dspark(target, torch.Generator().manual_seed(SEED + 2))

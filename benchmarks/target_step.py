@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_split_target, sync, wall  # noqa: E402
 import peer_fp8  # noqa: E402
 
-from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts  # noqa: E402
+from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts, ungraph_target  # noqa: E402
+from dsv4_mtp_hf.target import fp8_linear_bytes, quantize_fp8_linears  # noqa: E402
 from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
 from dsv4_mtp_hf.target.experts import expert_bytes  # noqa: E402
 
@@ -130,13 +131,27 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
     out = moe_out(layer, h)
     logits = target(prompt).logits[0, -8:].float()
     graphs = graphed(target)  # the graphed step's GPU time alone: its 1-row graph replayed back to back
+    replay_ms = kernels = None
     if graphs and 1 in graphs._graphs:  # one graph per device segment (one on one GPU)
-        replay_ms = gpu_ms(lambda: [g.graph.replay() for g in graphs._graphs[1]], args.iters)
-    else:
-        replay_ms = None
+        replay = lambda: [g.graph.replay() for g in graphs._graphs[1]]  # noqa: E731
+        replay_ms, kernels = gpu_ms(replay, args.iters), kernel_count(replay)
     return dict(label=label, kind=kind, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_t[1], moe_t=moe_t,
                 expert_gb=routed_expert_bytes(target) / 1e9, param_gb=peer_fp8.tensor_bytes(target) / 1e9,
-                peak_gb=peak_gb(), replay_ms=replay_ms, tokens=tokens, logits=logits, moe_out=out)
+                fp8_linear_gb=fp8_linear_bytes(target) / 1e9, peak_gb=peak_gb(), replay_ms=replay_ms,
+                kernels=kernels, tokens=tokens, logits=logits, moe_out=out)
+
+
+def kernel_count(fn) -> int | None:
+    """GPU kernels one call of ``fn`` launches (torch.profiler's CUDA activity; graph nodes included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset"))]
+    return len(kernels) or None
 
 
 def row(layers: int, r: dict) -> dict:
@@ -183,6 +198,12 @@ def run_ours(layers: int, args, rows: list, checks: dict) -> None:
     check_graphed_step(target, graphs, prompt, layers, checks)
     same = sum(a == b for a, b in zip(ours["tokens"], fast["tokens"]))
     print(f"{layers} layers: graphed vs eager packed greedy tokens equal {same}/{len(ours['tokens'])}")
+    ungraph_target(target)  # the release's FP8 projections kept (quantised from the random bf16 ones)
+    quantize_fp8_linears(target)
+    graph_target(target, max_length=args.prompt + args.new_tokens + 8)
+    fp8 = measure(target, prompt, args, "packed FP4 experts + FP8 linears + graph_target", "graphed_fp8")
+    rel = float((fp8["logits"] - fast["logits"]).norm() / fast["logits"].norm())
+    print(f"{layers} layers: FP8 linears vs bf16 linears (graphed) logits rel. difference {rel:.2e} (the FP8 rounding)")
     if bf16 is not None:
         # Same input, same router: the MoE block's output isolates the experts (bf16 noise only).  Through a
         # whole random-weight model a router choice near a tie can flip and move the logits further; those
@@ -192,7 +213,7 @@ def run_ours(layers: int, args, rows: list, checks: dict) -> None:
         rel = float((ours["logits"] - bf16["logits"]).norm() / bf16["logits"].norm())
         same = sum(a == b for a, b in zip(ours["tokens"], bf16["tokens"]))
         print(f"{layers} layers: logits rel. difference {rel:.2e}, greedy tokens equal {same}/{len(bf16['tokens'])}")
-    for r in (bf16, ours, fast):
+    for r in (bf16, ours, fast, fp8):
         if r is not None:
             rows.append(row(layers, r))
             print(rows[-1], flush=True)
@@ -301,13 +322,15 @@ def fmt(v, spec: str = ".2f") -> str:
 
 
 def report(rows, checks, project: int) -> None:
-    print("\n| layers | target | decode step ms | graph replay ms | MoE block ms (T=" + "/".join(map(str, MOE_ROWS))
-          + ") | routed experts GB | all weights GB | peak GB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| layers | target | decode step ms | graph replay ms | kernels/layer | MoE block ms (T="
+          + "/".join(map(str, MOE_ROWS)) + ") | routed experts GB | FP8 linears GB | all weights GB | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         moe = " / ".join(f"{r['moe_t'][t]:.3f}" for t in MOE_ROWS)
-        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {fmt(r.get('replay_ms'), '.3f')} | {moe} | "
-              f"{r['expert_gb']:.2f} | {r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
+        per_layer_k = None if not r.get("kernels") else r["kernels"] / r["layers"]
+        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {fmt(r.get('replay_ms'), '.3f')} | "
+              f"{fmt(per_layer_k, '.0f')} | {moe} | {r['expert_gb']:.2f} | {fmt(r.get('fp8_linear_gb'))} | "
+              f"{r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
     slopes = per_layer(rows, project)
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'}: {k}")
@@ -338,7 +361,7 @@ def per_layer(rows, project: int) -> dict:
         kinds[label] = mine[a]["kind"]
         print(f"  {label}: {slope:.3f} ms/layer ({key}), {slopes[label][1]:.1f} ms/step projected")
     for base in [k for k in slopes if kinds[k] in ("bf16", "peer")]:
-        for label in [k for k in slopes if kinds[k] in ("packed", "graphed")]:
+        for label in [k for k in slopes if kinds[k] in ("packed", "graphed", "graphed_fp8")]:
             print(f"  per-layer speedup of {label} over {base}: {slopes[base][0] / slopes[label][0]:.2f}x")
     return slopes
 
