@@ -87,9 +87,7 @@ def test_a_native_release_loaded_as_on_a_gpu_runs_fp8_projections_and_equals_the
     set_dense(target, experts, "mxfp4")
     release = native_fp8_release(tmp_path / "native", target, experts, SEED)
     want = logits(DeepseekV4ForCausalLM.from_pretrained(release))  # on a CPU: dequantised by transformers
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-
-    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    force_quantizer(monkeypatch)
     if load == "packed_class":
         model = DeepseekV4PackedExpertsForCausalLM.from_pretrained(release).eval()
     else:
@@ -133,6 +131,35 @@ def test_quantised_projections_halve_their_bytes_and_the_graphed_target_stays_ex
     ids = torch.randint(3, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(SEED))
     plain = target.generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=mtp), plain)
+
+
+def force_quantizer(monkeypatch):
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+
+
+@pytest.mark.tf_internals
+def test_fp8_projections_save_and_load_back_on_a_cpu_and_as_on_a_gpu(tmp_path, monkeypatch):
+    """A packed target with FP8 projections saves them with their scales under transformers' FineGrainedFP8
+    config: a CPU reload dequantises them, a GPU-like reload keeps them FP8; both compute what was saved.
+    Before, the reload read the FP8 bytes without their scales into plain linears."""
+    print(f"seed={SEED}")
+    target, _ = tiny_pair(seed=SEED)
+    quantize_fp8_linears(target)
+    pack_fp4_experts(target)
+    want = logits(target)
+    target.save_pretrained(tmp_path / "fp8")
+    cpu = DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "fp8")
+    torch.testing.assert_close(logits(cpu), want, rtol=1e-5, atol=1e-5)
+    force_quantizer(monkeypatch)
+    gpu_like = DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "fp8")
+    assert {n for n, m in gpu_like.named_modules() if isinstance(m, FP8BlockLinear)} == {
+        n for n, m in target.named_modules() if isinstance(m, FP8BlockLinear)}
+    torch.testing.assert_close(logits(gpu_like), want, rtol=1e-5, atol=1e-5)
+    gpu_like.save_pretrained(tmp_path / "again")  # a model loaded under the quantizer saves too
+    torch.testing.assert_close(logits(DeepseekV4PackedExpertsForCausalLM.from_pretrained(tmp_path / "again")),
+                               want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ from .. import fp4, patching
 from ..compat import progress
 from ..layers.moe import FP4Experts
 from .dtypes import norms_to_compute_dtype
-from .fp8_linears import keep_fp8_linears
+from .fp8_linears import FP8BlockLinear, keep_fp8_linears
+from ..loading.formats import FP8_BLOCK
 
 EXPERTS_IMPLEMENTATION = "dsv4_fp4"
 QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
@@ -189,6 +190,34 @@ def _earlier_save(save_directory) -> set[str]:
     return set()
 
 
+def fp8_quantization_config(model) -> dict:
+    """``{"quantization_config": ...}`` for a model whose projections are :class:`FP8BlockLinear`, else ``{}``:
+    transformers' FineGrainedFP8 config under which its loader reads the saved ``weight`` + ``weight_scale_inv``
+    back (dequantised on a CPU, FP8 on a GPU, where :func:`keep_fp8_linears` takes them), every other linear and
+    the routed experts named as not converted.  Without it a reload would read the FP8 bytes without their
+    scales."""
+    if not any(isinstance(m, FP8BlockLinear) for m in model.modules()):
+        return {}
+    dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "float",
+                                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                    "modules_to_not_convert": [*dense, "mlp.experts"]}}
+
+
+def _foreign_quantization(model) -> str | None:
+    """What of a quantization_config this save cannot write: anything but transformers' FP8 projections once
+    they are all :class:`FP8BlockLinear` (a native release loaded on a GPU, then packed)."""
+    q = getattr(model.config, "quantization_config", None)
+    if q is None and getattr(model, "hf_quantizer", None) is None:
+        return None
+    method = (q if isinstance(q, dict) else getattr(q, "to_dict", dict)()).get("quant_method") if q else None
+    if method != "fp8":
+        return f"quant_method {method!r}"
+    left = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("FP8")
+                   and not isinstance(m, FP8BlockLinear) and getattr(m, "weight", None) is not None})
+    return f"transformers' {', '.join(left)} modules" if left else None
+
+
 def save_packed(model, save_directory, **kwargs) -> None:
     """``save_pretrained`` of a model with packed experts: transformers writes everything else (its names,
     its shards), then each layer's experts go into a shard of their own as a release stores them, listed in
@@ -207,11 +236,10 @@ def save_packed(model, save_directory, **kwargs) -> None:
     from ..loading.remote_code import pop_push_arguments, push_saved_folder
     from ..loading.save_guard import check_save_directory
 
-    if getattr(model.config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+    if _foreign_quantization(model):
         raise NotImplementedError(
-            "save_pretrained of a packed target loaded under a quantization_config (the native release's FP8 "
-            "projections) is not supported: keep the release itself, and load it with "
-            "DeepseekV4PackedExpertsForCausalLM.from_pretrained(release).")
+            f"save_pretrained of a packed target under a quantization_config ({_foreign_quantization(model)}) is not "
+            "supported: keep the release itself, and load it with DeepseekV4PackedExpertsForCausalLM.from_pretrained.")
     if kwargs.get("safe_serialization") is False:
         raise ValueError("packed experts are saved as safetensors only (safe_serialization=True).")
     layers = _experts_modules(model)
@@ -220,7 +248,13 @@ def save_packed(model, save_directory, **kwargs) -> None:
                          owns_file=lambda f: f in earlier or (f == INDEX_FILE and bool(earlier)))
     push = pop_push_arguments(kwargs)
     state = {k: v for k, v in model.state_dict().items() if ".experts.fp4." not in k}
-    PreTrainedModel.save_pretrained(model, save_directory, state_dict=state, **kwargs)
+    quantizer = model.__dict__.pop("hf_quantizer", None)  # ours writes the FP8 projections (fp8_quantization_config)
+    try:
+        with patching.during(model.config, **{"quantization_config": None, **fp8_quantization_config(model)}):
+            PreTrainedModel.save_pretrained(model, save_directory, state_dict=state, **kwargs)
+    finally:
+        if quantizer is not None:
+            model.hf_quantizer = quantizer
     if not kwargs.get("is_main_process", True):
         return
     index_path = os.path.join(save_directory, INDEX_FILE)
