@@ -188,6 +188,35 @@ def test_greedy_generate_with_dspark_equals_plain_over_150_tokens(num_assistant_
         assert num_assistant_tokens - 0.5 < stats.mean_verified_length <= num_assistant_tokens
 
 
+def test_auto_takes_plain_steps_when_every_block_misses_and_drafts_when_they_land(monkeypatch):
+    """DSpark's "auto" weighs plain steps before drafting a block (its confidences come after the block is
+    paid for): with every draft wrong it runs plain steps, probing rarely; with drafts that land it never
+    does; greedy output equals plain either way.  A drafting round is made to cost two plain steps on a fake
+    clock (a CPU's timings of a tiny pair say little)."""
+    from dsv4_mtp_hf.generation import draft_length
+
+    target, dspark = tiny_dspark_pair(seed=5)
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=90, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(draft_length.time, "perf_counter", tick)  # one read per round: a plain round costs 1
+    real = DSparkSession._draft
+    monkeypatch.setattr(DSparkSession, "_draft", lambda self, *a: (tick(), real(self, *a))[1])  # a block: +1
+    for wrong, plain_steps in ((range(12, 12 + 90), lambda n: n >= 50), ((), lambda n: n == 0)):
+        _truth_drafts(monkeypatch, plain, set(wrong))
+        got = target.generate(ids, assistant_model=dspark, num_assistant_tokens="auto", **kw)
+        assert torch.equal(got, plain)
+        lengths = dspark.last_generation_stats.draft_lengths
+        print("draft lengths:", lengths)
+        assert plain_steps(lengths.count(0)), lengths
+
+
 def test_confidence_threshold_sets_the_verified_lengths(monkeypatch):
     target, dspark = tiny_dspark_pair(seed=3)
     ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(4))

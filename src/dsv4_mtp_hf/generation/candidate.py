@@ -67,9 +67,13 @@ class DraftCandidateGenerator(CandidateGenerator):
             return input_ids, None
         self.round_limit = self.num_assistant_tokens
         by_confidence = isinstance(self.draft_length, ConfidenceLength)
-        if self.draft_length is not None and not by_confidence:
-            self.round_limit = self.draft_length.choose()
-            if self.round_limit == 0:  # "auto" found plain steps faster: the drafter keeps the rows for later
+        if self.draft_length is not None:
+            if by_confidence:  # DSpark: whether to draft at all; the verify length comes with the confidences
+                drafting = self.draft_length.draft_now()
+            else:
+                self.round_limit = self.draft_length.choose()
+                drafting = self.round_limit > 0
+            if not drafting:  # "auto" found plain steps faster: the drafter keeps the rows for later
                 self.session.hold(features, processed=length - 1)
                 self.call.stats.draft_lengths.append(0)
                 return input_ids, None

@@ -16,6 +16,9 @@ and drafts nothing while plain steps pay more. It then probes
 (drafts the best K once) after ``PROBE_FIRST`` plain rounds, doubling the wait after every probe that still
 says "plain" (at most ``PROBE_MAX``), so a call whose drafts all miss runs close to plain ``generate``.
 A probe starts the acceptance counts afresh, so a call whose acceptance comes back returns to drafting.
+DSpark's ``"auto"`` (:class:`ConfidenceLength`) weighs plain steps the same way before each block, with the
+tokens its drafting rounds measurably yielded in place of ``E(K)``: its confidences come only after the block
+is drafted, when the drafting is already paid for.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class _RoundCost:
         self.choices: list[int] = []  # the K of every round
         self._pending = None  # (K, start time) of the round in flight
         self._clock = time.perf_counter
+        self.plain_run, self.probe_wait = 0, PROBE_FIRST  # plain rounds since the last drafting one; the wait
 
     def _medians(self) -> dict[int, float]:
         """Median wall time of the recent drafting rounds (K >= 1) under each K."""
@@ -86,6 +90,44 @@ class _RoundCost:
         """The round in flight is not a typical one (the drafter's first pass over the prompt): do not time it."""
         self._pending = None
 
+    def _drafting_pays(self, expected: float, drafted_time) -> bool:
+        """Whether the round about to run should draft: a round expected to yield ``expected`` tokens in
+        ``drafted_time()`` seconds (None: unmeasured; asked only once plain steps are), against the measured
+        plain steps.  False: a plain step (counted here).  A probe
+        (drafting again after a run of plain steps) calls :meth:`_forget` and doubles the next wait."""
+        if expected >= DOUBT or len(self.choices) < PLAIN_FIRST:
+            return self._drafting()
+        plain = self.times.get(0, [])
+        if len(plain) < 2:
+            return self._plain()  # measure plain steps; the first may hold one-off work (a graph's capture)
+        drafted = drafted_time()
+        if drafted is None or expected / drafted > 1 / statistics.median(plain[1:][-32:]):
+            return self._drafting()
+        if self.plain_run < self.probe_wait:
+            return self._plain()
+        # A probe: the counts are forgotten (the text may have changed while no draft was looked at), so this
+        # round's drafts alone say whether drafting pays again; a probe that lands none doubles the wait.
+        self._forget()
+        self.probe_wait = min(2 * self.probe_wait, PROBE_MAX)
+        return self._drafting()
+
+    def _drafting(self) -> bool:
+        self.plain_run = 0
+        return True
+
+    def _plain(self) -> bool:
+        self.plain_run += 1
+        self._start(0)
+        return False
+
+    def _landed(self, accepted: int) -> None:
+        if accepted:
+            self.probe_wait = PROBE_FIRST
+
+    def _forget(self) -> None:
+        """Drop the acceptance counts (a probe)."""
+        raise NotImplementedError
+
 
 class ConfidenceLength(_RoundCost):
     """The verify length of a drafter with a confidence head (DSpark, design §7b).  ``c_j`` estimates that
@@ -95,20 +137,39 @@ class ConfidenceLength(_RoundCost):
     Algorithm 1 for one request, with the round's cost ``1 + r j`` measured in this call (:class:`_RoundCost`):
     lengthen while ``tau_j / (1 + r j)`` grows, stop at the first j where it does not.  Both rules read only the
     confidences up to j, which depend on the drafts before j: the choice is non-anticipating, so speculative
-    sampling stays exact (design §7b)."""
+    sampling stays exact (design §7b).  Before drafting, ``"auto"`` asks :meth:`draft_now` whether a block pays at
+    all (the module docstring's plain steps)."""
 
     def __init__(self, max_k: int, threshold: float | None = None):
         super().__init__(max_k)
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise ValueError(f"`assistant_confidence_threshold` must lie in [0, 1], got {threshold!r}.")
         self.threshold = threshold
+        self.yields: list[int] = []  # tokens each drafting round gave (accepted drafts + the verifier's own)
+
+    def draft_now(self) -> bool:
+        """Called before each round: whether to draft a block (the round's timing starts here, before the
+        block; :meth:`choose` then sets its length) or take a plain step.  ``"auto"`` weighs the two (module
+        docstring); with a threshold the user's rule always drafts."""
+        if self.threshold is None:
+            recent = self.yields[-32:]
+            expected = (sum(recent) + 2) / (len(recent) + 1)  # a prior of one round that yielded two tokens
+            if not self._drafting_pays(expected, self._block_time):
+                return False
+        self._start(self.max_k)
+        return True
+
+    def _block_time(self) -> float | None:
+        """A drafting round's wall time: every round drafts the whole block, whatever it verifies."""
+        times = [t for k, ts in self.times.items() if k > 0 for t in ts[-32:]]
+        return statistics.median(times) if times else None
 
     def choose(self, confidences: list[float]) -> int:
-        """The number of drafts (1..max_k) to verify this round, from the round's confidences."""
+        """The number of drafts (1..max_k) to verify in the round :meth:`draft_now` opened, from its confidences."""
         confidences = confidences[: self.max_k]
         if self.threshold is not None:
             k = next((j for j, c in enumerate(confidences) if c < self.threshold), len(confidences))
-            return self._start(max(k, 1))
+            return self._verify(max(k, 1))
         r, k, tau, survive = self.slope(), 0, 1.0, 1.0
         best = tau
         for j, c in enumerate(confidences, start=1):
@@ -117,10 +178,23 @@ class ConfidenceLength(_RoundCost):
             if tau / (1 + r * j) <= best:
                 break
             k, best = j, tau / (1 + r * j)
-        return self._start(max(k, 1))
+        return self._verify(max(k, 1))
+
+    def _verify(self, k: int) -> int:
+        """The round :meth:`draft_now` opened verifies ``k`` drafts: its time is recorded under ``k``."""
+        self.choices[-1] = k
+        if self._pending is not None:
+            self._pending = (k, self._pending[1])
+        return k
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Nothing to learn: the confidences carry the acceptance estimate."""
+        """The confidences carry the acceptance estimate for the verify length; the tokens the round gave
+        decide whether drafting pays at all."""
+        self.yields.append(accepted + 1)
+        self._landed(accepted)
+
+    def _forget(self) -> None:
+        self.yields = []
 
 
 class AutoDraftLength(_RoundCost):
@@ -130,7 +204,6 @@ class AutoDraftLength(_RoundCost):
         super().__init__(max_k)
         self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
         self.taken = [0] * max_k  # ... and accepted draft j
-        self.plain_run, self.probe_wait = 0, PROBE_FIRST  # plain rounds since the last drafting one; the wait
 
     def expected_tokens(self, k: int) -> float:
         total, p = 1.0, 1.0
@@ -146,35 +219,18 @@ class AutoDraftLength(_RoundCost):
     def choose(self) -> int:
         """The K of the round about to be drafted (0: a plain step); ends the timing of the previous round."""
         k = self.best()
-        if self.expected_tokens(k) >= DOUBT or len(self.choices) < PLAIN_FIRST:
-            return self._draft(k)
-        plain = self.times.get(0, [])
-        if len(plain) < 2:
-            return self._plain()  # measure plain steps; the first may hold one-off work (a graph's capture)
-        drafted = self.round_time(k, self.slope())
-        if drafted is None or self.expected_tokens(k) / drafted > 1 / statistics.median(plain[1:][-32:]):
-            return self._draft(k)
-        if self.plain_run < self.probe_wait:
-            return self._plain()
-        # A probe: the counts are forgotten (the text may have changed while no draft was looked at), so this
-        # round's drafts alone say whether drafting pays again; a probe that lands none doubles the wait.
-        self.offered, self.taken = [0] * self.max_k, [0] * self.max_k
-        self.probe_wait = min(2 * self.probe_wait, PROBE_MAX)
-        return self._draft(k, probe=True)
-
-    def _draft(self, k: int, probe: bool = False) -> int:
-        if not probe and self.plain_run == 0 and len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+        after_plain = self.plain_run > 0
+        if not self._drafting_pays(self.expected_tokens(k), lambda: self.round_time(k, self.slope())):
+            return 0
+        if not after_plain and len(self.choices) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             k = k + 1 if k < self.max_k else k - 1  # a neighbour, to keep the slope measured
-        self.plain_run = 0
         return self._start(max(1, k))
 
-    def _plain(self) -> int:
-        self.plain_run += 1
-        return self._start(0)
+    def _forget(self) -> None:
+        self.offered, self.taken = [0] * self.max_k, [0] * self.max_k
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if accepted:
-            self.probe_wait = PROBE_FIRST
+        self._landed(accepted)
         for j in range(min(drafted, self.max_k)):
             self.offered[j] += 1
             if j < accepted:
