@@ -25,9 +25,9 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from .. import fp4, patching
 from ..compat import progress
 from ..layers.moe import FP4Experts
+from ..loading.formats import FP8_BLOCK
 from .dtypes import norms_to_compute_dtype
 from .fp8_linears import FP8BlockLinear, keep_fp8_linears
-from ..loading.formats import FP8_BLOCK
 
 EXPERTS_IMPLEMENTATION = "dsv4_fp4"
 QUANTIZE_CHUNK = 16  # experts quantised at a time from in-memory weights (bounds the fp32 temporaries)
@@ -204,15 +204,20 @@ def fp8_quantization_config(model) -> dict:
                                     "modules_to_not_convert": [*dense, "mlp.experts"]}}
 
 
+def _quantization(config) -> dict:
+    """``config.quantization_config`` as a dict (transformers keeps a dict or a config object); {} when none."""
+    q = getattr(config, "quantization_config", None)
+    return {} if q is None else dict(q) if isinstance(q, dict) else q.to_dict()
+
+
 def _foreign_quantization(model) -> str | None:
     """What of a quantization_config this save cannot write: anything but transformers' FP8 projections once
     they are all :class:`FP8BlockLinear` (a native release loaded on a GPU, then packed)."""
-    q = getattr(model.config, "quantization_config", None)
-    if q is None and getattr(model, "hf_quantizer", None) is None:
+    q = _quantization(model.config)
+    if not q and getattr(model, "hf_quantizer", None) is None:
         return None
-    method = (q if isinstance(q, dict) else getattr(q, "to_dict", dict)()).get("quant_method") if q else None
-    if method != "fp8":
-        return f"quant_method {method!r}"
+    if q.get("quant_method") != "fp8":
+        return f"quant_method {q.get('quant_method')!r}"
     left = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("FP8")
                    and not isinstance(m, FP8BlockLinear) and getattr(m, "weight", None) is not None})
     return f"transformers' {', '.join(left)} modules" if left else None
@@ -236,10 +241,11 @@ def save_packed(model, save_directory, **kwargs) -> None:
     from ..loading.remote_code import pop_push_arguments, push_saved_folder
     from ..loading.save_guard import check_save_directory
 
-    if _foreign_quantization(model):
+    foreign = _foreign_quantization(model)
+    if foreign:
         raise NotImplementedError(
-            f"save_pretrained of a packed target under a quantization_config ({_foreign_quantization(model)}) is not "
-            "supported: keep the release itself, and load it with DeepseekV4PackedExpertsForCausalLM.from_pretrained.")
+            f"save_pretrained of a packed target under a quantization_config ({foreign}) is not supported: keep the "
+            "release itself, and load it with DeepseekV4PackedExpertsForCausalLM.from_pretrained.")
     if kwargs.get("safe_serialization") is False:
         raise ValueError("packed experts are saved as safetensors only (safe_serialization=True).")
     layers = _experts_modules(model)
@@ -291,10 +297,7 @@ def _experts_out_of_fp8_quantizer(config) -> None:
     """A native release's ``quantization_config`` (FP8) makes transformers' quantizer replace every experts module
     with its ``FP8Experts`` on a GPU, the packed one included: keep the routed experts out of it (they are read
     packed), and the lm head, which it skips when the release names no modules."""
-    q = getattr(config, "quantization_config", None)
-    if q is None:
-        return
-    q = dict(q) if isinstance(q, dict) else q.to_dict()
+    q = _quantization(config)
     if q.get("quant_method") != "fp8":
         return
     skip = list(q.get("modules_to_not_convert") or ["lm_head"])
