@@ -194,3 +194,21 @@ def test_cuda_kernel_replays_in_a_graph():
     x.copy_(torch.randn(1, 4096, generator=gen).bfloat16())
     graph.replay()
     torch.testing.assert_close(out.float(), fp8_linear_reference(x.float(), q, s), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_graphed_cuda_target_with_fp8_projections_stays_exact_with_the_mtp():
+    """FP8 projections on the compiled, captured target (the W8A16 kernel inside CUDA graphs): assisted greedy
+    generate equals plain greedy on the same graphed target."""
+    print(f"seed={SEED}")
+    target, mtp = tiny_pair(seed=SEED, target_overrides=dict(hidden_size=256, moe_intermediate_size=256,
+                                                             n_routed_experts=16, num_experts_per_tok=4))
+    target, mtp = target.to("cuda", torch.bfloat16), mtp.to("cuda")  # as tests/test_target_graph.py's GPU target
+    assert quantize_fp8_linears(target)
+    pack_fp4_experts(target)
+    graph_target(target, max_length=96, max_rollback=3)
+    mtp.bind(target)
+    ids = torch.randint(3, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(SEED)).cuda()
+    kw = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
