@@ -137,8 +137,8 @@ def test_saved_drafter_reloads_bit_for_bit(release, tmp_path):
 
 def tiny_dspark_pair(seed: int, **overrides):
     """A random V4 target (sliding, CSA, HCA layers) and a random DSpark drafter reading its three layers."""
-    cfg = tiny_dspark_config(num_hidden_layers=4, hidden_size=64, moe_intermediate_size=32, head_dim=32,
-                             q_lora_rank=32, o_lora_rank=16, dspark_markov_rank=8, **overrides)
+    cfg = tiny_dspark_config(**{**dict(num_hidden_layers=4, hidden_size=64, moe_intermediate_size=32, head_dim=32,
+                                       q_lora_rank=32, o_lora_rank=16, dspark_markov_rank=8), **overrides})
     cfg["dspark_target_layer_ids"] = [1, 2, 3]
     torch.manual_seed(seed)
     config = DeepseekV4Config(**cfg)

@@ -164,7 +164,8 @@ class GraphedBlockDrafter:
         if n not in self.graphs:
             with torch.cuda.device(self.anchor.device):
                 self.graphs[n] = record_graph(lambda: self._step(self.features[:, :n], self.anchor),
-                                              self.cache.seq_lengths, 2, "the DSpark round", self.compiled)
+                                              [layer.seq_lengths for layer in self.cache.layers], 2,
+                                              "the DSpark round", self.compiled)
         graph, out = self.graphs[n]
         graph.replay()
         return out

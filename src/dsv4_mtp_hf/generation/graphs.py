@@ -7,11 +7,12 @@ import torch
 from ..compat import progress
 
 
-def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bool):
+def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
     """Warm ``fn`` up on a side stream (compilation, allocations, Triton autotuning: work a capture must not
-    meet), capture it, and restore ``lengths`` (the drafter cache's lengths, which ``fn`` advances) after
-    every run.  Returns ``(graph, fn's static outputs)``.  A failing compiled warm-up raises an error naming
-    ``what`` and the way out (``compile=False``)."""
+    meet), capture it, and restore ``lengths`` (the drafter cache's lengths, which ``fn`` advances: a tensor, or
+    a list of them, one per layer cache, every one restored) after every run.  Returns ``(graph, fn's static
+    outputs)``.  A failing compiled warm-up raises an error naming ``what`` and the way out (``compile=False``)."""
+    lengths = _Lengths(lengths)
     saved = lengths.clone()
     bar = progress(desc=f"{'compiling and ' if compiled else ''}capturing {what}", total=warmup + 1, unit="run")
     side = torch.cuda.Stream()
@@ -38,6 +39,20 @@ def record_graph(fn, lengths: torch.Tensor, warmup: int, what: str, compiled: bo
     bar.update()
     bar.close()
     return graph, out
+
+
+class _Lengths:
+    """Several cache lengths tensors restored together (a DSpark cache holds one per draft layer)."""
+
+    def __init__(self, tensors):
+        self.tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+    def clone(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors]
+
+    def copy_(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self.tensors, saved, strict=True):
+            t.copy_(s)
 
 
 def compile_options(device: torch.device, mode: str | None = None) -> dict | None:
