@@ -55,6 +55,7 @@ from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator  # noqa: E4
 from dsv4_mtp_hf.generation.drafter import session_class  # noqa: E402
 from dsv4_mtp_hf.generation.dspark_session import DSparkSession  # noqa: E402
 from dsv4_mtp_hf.generation.mtp_session import MtpSession  # noqa: E402
+from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
 from dsv4_mtp_hf.target.ragged import RaggedTargetForward  # noqa: E402
 
 SEED = 1234
@@ -279,6 +280,10 @@ def assisted_cases(target, drafters, ctl, args, rows, checks, label):
             bandwidth = copy_bandwidth()  # read + write bytes per second
     with controlled_drafts(ctl):
         for name, drafter in drafters.items():
+            graphs = graphed(target)
+            if graphs is not None:  # the drafter's layer tap set, then every row count's graph, before any timing
+                target.generate(prompt, assistant_model=drafter, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+                graphs.capture_all()
             for k in args.ks:
                 if k != "auto" and k > session_class(drafter).max_drafts(drafter):
                     continue

@@ -294,6 +294,28 @@ def test_ungraph_and_unbind_restore_the_target_in_either_order():
 
 
 @pytest.mark.tf_internals
+def test_capture_all_leaves_generation_exact_and_on_cuda_captures_every_row_count():
+    """``capture_all`` runs every decode row count on a scratch generation: afterwards plain and assisted greedy
+    generate still equal transformers' plain greedy (on CUDA without capturing anything more)."""
+    print(f"seed={SEED}")
+    target, mtp = _gpu_target(SEED) if torch.cuda.is_available() else tiny_pair(seed=SEED)
+    ids = ids_of(SEED, 9, device=target.device)
+    kw = dict(max_new_tokens=24, do_sample=False)
+    plain = target.generate(ids, **kw)
+    graphs = graph_target(target, max_length=64, max_rollback=3)
+    try:
+        graphs.capture_all()
+        if graphs.use_graphs:
+            assert set(graphs._graphs) == {1, 2, 3, 4}
+        captured = dict(graphs._graphs)
+        assert torch.equal(target.generate(ids, **kw), plain)
+        assert torch.equal(target.generate(ids, assistant_model=mtp, num_assistant_tokens=3, **kw), plain)
+        assert all(graphs._graphs[n] is g for n, g in captured.items())  # nothing captured again
+    finally:
+        ungraph_target(target)
+
+
+@pytest.mark.tf_internals
 def test_graphed_target_errors_name_the_problem():
     target, mtp = tiny_pair(seed=SEED)
     graphs = graph_target(target, max_length=24, max_rollback=2)

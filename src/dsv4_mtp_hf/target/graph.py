@@ -220,6 +220,24 @@ class TargetGraphs:
             self.tapped = layers
             self._graphs.clear()
 
+    @torch.no_grad()
+    def capture_all(self) -> None:
+        """Compile and capture the decode graph of every row count (1 .. ``max_rollback + 1``) now, for the layers
+        tapped now, instead of at the first forward of each (seconds each, at unforeseeable points of the first
+        generations).  Runs on a scratch generation: the next one starts from a new cache, as always.  A drafter
+        that taps other layers (DSpark) makes the graphs be captured again: call this after its first call."""
+        cache = self.new_cache(self.state.max_rollback)
+        ids = torch.full((1, self.max_rows), 3, dtype=torch.long, device=self.device)  # any tokens
+        self.forward(cache, input_ids=ids[:, :1], output_class=dict)  # the first forward allocates the state
+        bar = progress(desc="capturing the decode step of every row count", total=self.max_rows, unit="graph")
+        for n in range(1, self.max_rows + 1):
+            self.forward(cache, input_ids=ids[:, :n], output_class=dict)
+            cache.crop(-(n - 1))  # a verify keeps at least its first row
+            bar.update()
+        bar.close()
+        self.new_cache()  # the scratch generation's cache and features are no one's
+        self._features = None
+
     def take_features(self) -> torch.Tensor | None:
         """The tapped layers' outputs ``[1, n, F, hc, D]`` of the last forward (what drafters read), once."""
         features, self._features = self._features, None
