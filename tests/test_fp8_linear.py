@@ -1,5 +1,5 @@
-"""FP8 projections kept as the release stores them (issue 49): ``dsv4_mtp::fp8_linear`` against an
-independent dequantisation, transformers' FP8 modules swapped for ours when a native release is loaded as on a
+"""FP8 projections kept as the release stores them (issue 49): ``dsv4_mtp::fp8_linear`` against a
+block-by-block dequantisation, transformers' FP8 modules swapped for ours when a native release is loaded as on a
 GPU (transformers' quantizer active), and (``-m gpu``) the Triton kernel against the reference."""
 
 import json
@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts
-from dsv4_mtp_hf.loading.formats import dequantize_fp8_block, quantize_fp8_block
+from dsv4_mtp_hf.loading.formats import quantize_fp8_block
 from dsv4_mtp_hf.ops.fp8_linear import fp8_linear, fp8_linear_op, fp8_linear_reference
 from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
 from dsv4_mtp_hf.target.fp8_linears import FP8BlockLinear, fp8_linear_bytes, quantize_fp8_linears
@@ -31,7 +31,10 @@ def test_reference_is_the_linear_of_the_dequantised_weight(m, n, k, groups):
     gen = torch.Generator().manual_seed(SEED)
     q, s = quantize_fp8_block(torch.randn(n, k, generator=gen))
     x = torch.randn(m, groups * k, generator=gen)
-    w = dequantize_fp8_block(q, s, torch.float32)  # the loader's chunked decode, independent of the op's
+    w = q.float()  # each 128x128 block times its own scale, one block at a time
+    for i in range(0, n, 128):
+        for j in range(0, k, 128):
+            w[i:i + 128, j:j + 128] *= s.float()[i // 128, j // 128]
     want = torch.cat([x[:, g * k:(g + 1) * k] @ w[g * n // groups:(g + 1) * n // groups].T for g in range(groups)], -1)
     got = fp8_linear(x.view(m, 1, -1), q, s.float(), groups)
     assert got.shape == (m, 1, n)

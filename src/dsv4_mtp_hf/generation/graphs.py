@@ -12,8 +12,8 @@ def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
     meet), capture it, and restore ``lengths`` (the drafter cache's lengths, which ``fn`` advances: a tensor, or
     a list of them, one per layer cache, every one restored) after every run.  Returns ``(graph, fn's static
     outputs)``.  A failing compiled warm-up raises an error naming ``what`` and the way out (``compile=False``)."""
-    lengths = _Lengths(lengths)
-    saved = lengths.clone()
+    lengths = [lengths] if isinstance(lengths, torch.Tensor) else list(lengths)
+    saved = [t.clone() for t in lengths]
     bar = progress(desc=f"{'compiling and ' if compiled else ''}capturing {what}", total=warmup + 1, unit="run")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -21,10 +21,10 @@ def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
         try:
             for _ in range(warmup):
                 fn()
-                lengths.copy_(saved)
+                _restore(lengths, saved)
                 bar.update()
         except Exception as err:
-            lengths.copy_(saved)
+            _restore(lengths, saved)
             if not compiled:
                 raise
             raise RuntimeError(
@@ -35,24 +35,15 @@ def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    lengths.copy_(saved)
+    _restore(lengths, saved)
     bar.update()
     bar.close()
     return graph, out
 
 
-class _Lengths:
-    """Several cache lengths tensors restored together (a DSpark cache holds one per draft layer)."""
-
-    def __init__(self, tensors):
-        self.tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-    def clone(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.tensors]
-
-    def copy_(self, saved: list[torch.Tensor]) -> None:
-        for t, s in zip(self.tensors, saved, strict=True):
-            t.copy_(s)
+def _restore(lengths: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    for t, s in zip(lengths, saved, strict=True):
+        t.copy_(s)
 
 
 def compile_options(device: torch.device, mode: str | None = None) -> dict | None:

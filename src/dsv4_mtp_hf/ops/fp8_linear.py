@@ -1,7 +1,7 @@
 """``dsv4_mtp::fp8_linear`` -- a projection whose weight stays as the release stores it (issue 49).
 
-DeepSeek-V4 releases store every dense projection (attention, compressor, indexer, shared expert) as FP8
-e4m3 with one power-of-two (E8M0) scale per 128x128 block.  transformers either widens them to bf16 at
+DeepSeek-V4 releases store the attention, indexer-query and shared-expert projections as FP8 e4m3 with one
+power-of-two (E8M0) scale per 128x128 block.  transformers either widens them to bf16 at
 load (twice the bytes a decode step reads) or runs them W8A8 through its FineGrainedFP8 kernels, which
 quantise the activations per token on every call.  This op is W8A16: the weight is widened in registers,
 the activations stay in their dtype.  An e4m3 value times a power of two is exact in bf16, so the op
@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from ..loading.formats import dequantize_fp8_block, fp8_scale_shape
 from ._kernels import register_triton_kernels
 from .skinny_linear import skinny_linear_reference
 
 LIB = "dsv4_mtp"
 BLOCK = 128  # the release's scale block, both ways
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation dtypes
-
-
-def scale_shape(n: int, k: int) -> tuple[int, int]:
-    return (-(-n // BLOCK), -(-k // BLOCK))
 
 
 def check_fp8_linear_inputs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> None:
@@ -47,8 +44,8 @@ def check_fp8_linear_inputs(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     if scale.dtype != torch.float32:
         raise TypeError(f"fp8_linear: scale must be float32 (convert E8M0 scales with .float()), got {scale.dtype}")
     n, k = weight.shape
-    if tuple(scale.shape) != scale_shape(n, k):
-        raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} needs a scale of shape {scale_shape(n, k)} "
+    if tuple(scale.shape) != fp8_scale_shape((n, k), BLOCK):
+        raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} needs a scale of shape {fp8_scale_shape((n, k))} "
                          f"(one per {BLOCK}x{BLOCK} block), got {tuple(scale.shape)}")
     if len({x.device, weight.device, scale.device}) != 1:
         raise ValueError(f"fp8_linear: x, weight and scale must be on one device, got {x.device}, {weight.device}, "
@@ -58,16 +55,9 @@ def check_fp8_linear_inputs(x: torch.Tensor, weight: torch.Tensor, scale: torch.
                          f"{groups} group(s)")
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight the blocks stand for, in ``dtype``: ``weight * scale`` per 128x128 block."""
-    n, k = weight.shape
-    full = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
-    return (weight.float() * full).to(dtype)
-
-
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """``F.linear`` (grouped: ``skinny_linear``'s einsum) of x with the dequantised weight in x's dtype."""
-    return skinny_linear_reference(x, dequantize(weight, scale, x.dtype), groups)
+    return skinny_linear_reference(x, dequantize_fp8_block(weight, scale, x.dtype), groups)
 
 
 @torch.library.custom_op(f"{LIB}::fp8_linear", mutates_args=())

@@ -1,7 +1,7 @@
 """The target's dense projections kept in FP8 as the release stores them (issue 49).
 
-A native DeepSeek-V4 release stores every dense projection of the target (attention ``q_a/q_b/kv/o_a/o_b``,
-compressor and indexer projections, shared expert) as FP8 e4m3 with one E8M0 scale per 128x128 block.
+A native DeepSeek-V4 release stores the target's attention projections (``q_a/q_b/kv/o_a/o_b``), the indexer's
+query projection and the shared expert as FP8 e4m3 with one E8M0 scale per 128x128 block.
 On a CUDA GPU transformers loads them as its ``FP8Linear`` / ``FP8GroupedLinear`` (W8A8: the activations are
 quantised per token on every call, by kernels fetched from the Hub); on a CPU, or with
 ``FineGrainedFP8Config(dequantize=True)``, it widens them to bf16 (twice the bytes a decode step reads).
