@@ -47,6 +47,27 @@ def test_auto_probes_less_often_while_drafts_miss_and_drafts_again_when_they_lan
     assert back - 400 <= dl.PROBE_MAX and p.choices[back + 10:].count(0) == 0, p.choices[400:]  # drafting again
 
 
+@pytest.mark.parametrize("tokens, floor", [(128, 0.94), (512, 0.975)])
+def test_auto_with_every_draft_rejected_runs_close_to_plain_steps(tokens, floor):
+    """A drafting round that lands nothing costs two plain steps here (a shallow target, where drafting is
+    dearest): over a short generation "auto" gives up little against plain decoding, both policies."""
+    for policy in (AutoDraftLength(4), dl.ConfidenceLength(5)):
+        clock, spent = [0.0], 0.0
+        policy._clock = lambda: clock[0]
+        for _ in range(tokens):  # every round yields one token
+            if isinstance(policy, AutoDraftLength):
+                k = policy.choose()
+            else:
+                k = policy.choose([0.3] * 5) if policy.draft_now() else 0
+            if k:
+                policy.observe(k, 0)
+            step = 2.0 if k else 1.0
+            clock[0] += step
+            spent += step
+        print(type(policy).__name__, "plain speed ratio:", tokens / spent)
+        assert tokens / spent >= floor, policy.choices
+
+
 def test_plain_steps_are_measured_only_when_drafting_is_in_doubt_and_kept_off_when_it_pays():
     sure = AutoDraftLength(4)  # three drafts in four land: no plain round at all
     rounds(sure, 60, lambda k: min(k, 3), lambda k: 1.0 + 0.5 * (k > 0) + 0.05 * k)

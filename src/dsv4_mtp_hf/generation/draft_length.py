@@ -31,7 +31,9 @@ import time
 PRIOR_SLOPE = 0.07
 EXPLORE_EVERY = 8
 AUTO_MAX_DRAFTS = 4  # drafts per round at most with "auto"
-PLAIN_FIRST = EXPLORE_EVERY  # rounds before plain steps are considered
+# Rounds before plain steps are considered: the first (untimed: the drafter's pass over the prompt) and two
+# timed ones.  Every drafting round that misses costs a plain step's worth or more (BENCHMARKS.md, run J).
+PLAIN_FIRST = 3
 DOUBT = 2.0  # expected tokens per round below which plain steps are measured and weighed against drafting
 PROBE_FIRST, PROBE_MAX = 16, 256  # plain rounds before a probe, and the most the doubling waits
 
