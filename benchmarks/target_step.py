@@ -312,6 +312,7 @@ def main():
             free()
     print(f"[{time.perf_counter() - t0:.0f} s] done", flush=True)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "target_step.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1)
     report(rows, checks, args.project)
