@@ -375,6 +375,63 @@ def fp8(args):
             for key in ("floor_us", "fp8_us", "bf16_ours_us", "bf16_torch_us")))
 
 
+def fp8_sweep_configs(base):
+    """Alternatives to the FP8 kernel's default configuration: wider K steps, deeper pipelines, other tiles."""
+    from dataclasses import replace
+
+    cands = [replace(base, block_k=256), replace(base, block_k=512), replace(base, num_stages=8),
+             replace(base, block_k=256, num_stages=6), replace(base, split=base.split * 2),
+             replace(base, num_warps=8), replace(base, block_n=min(2 * base.block_n, 128)),
+             replace(base, block_n=max(base.block_n // 2, 16))]
+    seen = {base}
+    return [c for c in cands if base.block_k >= 128 and not (c in seen or seen.add(c))]
+
+
+def fp8_sweep(args):
+    """``--fp8 --sweep``: the FP8 kernel's other launch configurations per projection, M = 1 and 16 (each checked
+    against the reference); the default and the best, and one layer's total with each shape's best."""
+    from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+    from dsv4_mtp_hf.ops.fp8_linear import fp8_linear_reference
+    from dsv4_mtp_hf.ops.triton.fp8_linear_triton import fp8_linear_triton, pick_config
+
+    cfg = DeepseekV4MtpConfig.from_json_file(args.config)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    timer, out, totals = Timer(args.iters, args.flush), [], {}
+    print(f"device {torch.cuda.get_device_name(0)}", flush=True)
+    for name, n, k, groups in target_fp8_shapes(cfg):
+        q, s = quantize_fp8_block(torch.randn(n, k, device="cuda") * k**-0.5)
+        s = s.float()
+        for m in (1, 16):
+            x = torch.randn(m, k * groups, device="cuda").bfloat16()
+            want = fp8_linear_reference(x.float(), q, s, groups)
+            base = pick_config(m, n, k, groups, sms)
+            res = []
+            for c in [base] + fp8_sweep_configs(base):
+                try:
+                    err = float((fp8_linear_triton(x, q, s, groups, c).float() - want).norm() / want.norm())
+                    res.append((timer.graphed_us(lambda c=c: fp8_linear_triton(x, q, s, groups, c)), c, err))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
+                    print(f"  {name} M={m} {c}: {type(e).__name__}: {str(e)[:120]}")
+            bad = [r for r in res if r[2] > 1e-2]
+            if bad:
+                print(f"  {name} M={m}: WRONG configurations {[(c, e) for _, c, e in bad]}")
+            ok = [r for r in res if r[2] <= 1e-2]
+            best = min(ok, key=lambda r: r[0])
+            count = 2 if "each" in name else 1
+            totals.setdefault(m, [0.0, 0.0])
+            totals[m][0] += count * res[0][0]
+            totals[m][1] += count * best[0]
+            out += [dict(shape=name, M=m, us=t, err=e, default=c == base, config=list(c.__dict__.values()))
+                    for t, c, e in res]
+            print(f"{name:<22} M={m:<3} default {res[0][0]:7.2f} us  best {best[0]:7.2f} us {best[1]}  all: "
+                  + " ".join(f"{t:.1f}" for t, _, _ in res), flush=True)
+    for m, (d, b) in totals.items():
+        print(f"one layer's FP8 projections, M={m}: default configs {d:.1f} us, each shape's best {b:.1f} us")
+    if args.out:
+        with open(os.path.join(args.out, "linear_op_fp8_sweep.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), rows=out), f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default=str(ROOT / "configs" / "deepseek-v4-flash-mtp.json"))
@@ -382,7 +439,7 @@ def main():
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each replay: a 256 MiB memset (default) or a 256 MiB read")
-    p.add_argument("--sweep", action="store_true", help="only time other launch configurations of ours (M = 1, 16)")
+    p.add_argument("--sweep", action="store_true", help="only time other launch configurations of ours (M = 1, 16); with --fp8 of the FP8 kernel")
     p.add_argument("--sweep-budget-s", type=float, default=60.0, help="stop sweeping after this long")
     p.add_argument("--stream", action="store_true",
                    help="only the back-to-back in-graph timing of each shape (rotating weight copies), a few configs")
@@ -400,7 +457,7 @@ def main():
     if args.draft_step:
         return draft_step_effect(args)
     if args.sweep:
-        return sweep(args)
+        return fp8_sweep(args) if args.fp8 else sweep(args)
     if args.stream:
         return stream(args)
     if args.lm_head:
