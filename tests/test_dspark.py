@@ -6,6 +6,7 @@ its two calls, ``commit`` and ``draft``, against the independent float64 oracle 
 The generation tests check ``target.generate(ids, assistant_model=dspark)`` against plain ``generate``.
 """
 
+import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -316,6 +317,44 @@ def test_bad_inputs_name_the_problem():
     other = DeepseekV4ForCausalLM(DeepseekV4Config(**tiny_dspark_config(hidden_size=128)))
     with pytest.raises(ValueError, match="does not match"):
         dspark.bind(other)
+
+
+def test_drafting_settings_from_a_generation_config_are_honoured_or_refused():
+    """``num_assistant_tokens`` in a passed ``generation_config`` (or the target's) and
+    ``assistant_confidence_threshold`` on the drafter's ``generation_config`` (where transformers reads an
+    assistant's settings) are honoured like the keywords, never silently replaced by the drafter's "auto"."""
+    from transformers import GenerationConfig
+
+    target, dspark = tiny_dspark_pair(seed=12)
+    ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(13))
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    plain = target.generate(ids, **kw)
+    got = target.generate(ids, assistant_model=dspark, generation_config=GenerationConfig(num_assistant_tokens=2, **kw))
+    assert torch.equal(got, plain)
+    stats = dspark.last_generation_stats
+    assert not stats.draft_lengths and 0 < stats.mean_verified_length <= 2  # a fixed K=2, not "auto"
+    assert torch.equal(target.generate(ids, assistant_model=dspark, num_assistant_tokens=np.int64(2), **kw), plain)
+    with pytest.raises(ValueError, match="exceeds"):
+        target.generate(ids, assistant_model=dspark, generation_config=GenerationConfig(num_assistant_tokens=6, **kw))
+    target.generation_config.num_assistant_tokens = 2
+    try:
+        assert torch.equal(target.generate(ids, assistant_model=dspark, **kw), plain)
+        assert not dspark.last_generation_stats.draft_lengths
+    finally:
+        target.generation_config.num_assistant_tokens = None
+    target.generate(ids, assistant_model=dspark, assistant_confidence_threshold=0.5, **kw)
+    want = dspark.last_generation_stats.draft_lengths
+    dspark.generation_config.assistant_confidence_threshold = 0.5
+    try:
+        assert torch.equal(target.generate(ids, assistant_model=dspark, **kw), plain)
+        assert dspark.last_generation_stats.draft_lengths == want
+        dspark.generation_config.assistant_confidence_threshold = 7
+        with pytest.raises(ValueError, match="assistant_confidence_threshold"):
+            target.generate(ids, assistant_model=dspark, **kw)
+    finally:
+        dspark.generation_config.assistant_confidence_threshold = None
+    with pytest.raises(ValueError, match="assistant_confidence_threshold"):
+        target.generate(ids, assistant_model=dspark, assistant_confidence_threshold="0.5", **kw)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------------

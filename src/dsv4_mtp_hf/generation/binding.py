@@ -236,6 +236,14 @@ def _setting(target, kwargs: dict, name: str):
     return getattr(config, name, None)
 
 
+def _draft_setting(target, drafter, kwargs: dict, name: str):
+    """A drafting setting (``num_assistant_tokens``, ``assistant_confidence_threshold``): the call's keyword or
+    generation config (passed, else the target's), else the drafter's ``generation_config``, where transformers
+    reads an assistant's drafting settings."""
+    value = _setting(target, kwargs, name)
+    return getattr(drafter.generation_config, name, None) if value is None else value
+
+
 def _check_settings(target, drafter, ids: torch.Tensor, kwargs: dict) -> None:
     """Refuse what this path cannot honour, naming what to use instead."""
     if ids.shape[0] != 1:
@@ -252,7 +260,7 @@ def _check_settings(target, drafter, ids: torch.Tensor, kwargs: dict) -> None:
     for name, instead in REFUSED.items():
         if _setting(target, kwargs, name) is not None:
             raise ValueError(f"`{name}` is not honoured with {type(drafter).__name__}: {instead}.")
-    threshold = _setting(target, kwargs, "assistant_confidence_threshold")
+    threshold = _draft_setting(target, drafter, kwargs, "assistant_confidence_threshold")
     if threshold is not None and not getattr(session_class(drafter), "confidence_head", False):
         raise ValueError(f"`assistant_confidence_threshold` needs a drafter with a confidence head (DSpark); "
                          f"{type(drafter).__name__} has none. Use `num_assistant_tokens=\"auto\"`.")
@@ -260,8 +268,8 @@ def _check_settings(target, drafter, ids: torch.Tensor, kwargs: dict) -> None:
 
 def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
     cls = session_class(drafter)
-    value = kwargs.pop("num_assistant_tokens", None)
-    value = drafter.generation_config.num_assistant_tokens if value is None else value
+    value = _draft_setting(target, drafter, kwargs, "num_assistant_tokens")
+    kwargs.pop("num_assistant_tokens", None)
     num_drafts, auto = rounds.resolve_num_drafts(value, cls.max_drafts(drafter), cls.auto_num_drafts(drafter),
                                                 cls.limit_hint)
     name = cache_kwarg(target)
@@ -271,7 +279,7 @@ def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
     cache, resume = _call_cache(target, cache, num_drafts, drafter, ids, kwargs)
     kwargs[name] = cache
     on_graphs = isinstance(cache, GraphedTargetCache)
-    threshold = _setting(target, kwargs, "assistant_confidence_threshold")
+    threshold = _draft_setting(target, drafter, kwargs, "assistant_confidence_threshold")
     call = AssistedCall(drafter, target, num_drafts, auto, cache.graphs if on_graphs else None, resume, threshold)
     if on_graphs and kwargs.get("custom_generate") is None:
         kwargs["custom_generate"] = _graphed_decoding(call, name, kwargs.get("streamer"),

@@ -23,6 +23,7 @@ is drafted, when the drafting is already paid for.
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
 
@@ -144,8 +145,9 @@ class ConfidenceLength(_RoundCost):
 
     def __init__(self, max_k: int, threshold: float | None = None):
         super().__init__(max_k)
-        if threshold is not None and not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"`assistant_confidence_threshold` must lie in [0, 1], got {threshold!r}.")
+        if threshold is not None and (not isinstance(threshold, numbers.Real) or isinstance(threshold, bool)
+                                      or not 0.0 <= threshold <= 1.0):
+            raise ValueError(f"`assistant_confidence_threshold` must be a number in [0, 1], got {threshold!r}.")
         self.threshold = threshold
         self.yields: list[int] = []  # tokens each drafting round gave (accepted drafts + the verifier's own)
 

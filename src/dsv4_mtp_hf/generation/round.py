@@ -14,6 +14,8 @@ after them (a correction or a bonus).  This module owns:
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import sampling
@@ -27,13 +29,13 @@ def resolve_num_drafts(value, max_drafts: int, auto_drafts: int, limit_hint: str
     ``[1, max_drafts]``: what the drafter's state can roll back (``limit_hint``: what sets that limit)."""
     if value == AUTO:
         return min(auto_drafts, max_drafts), True
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`num_assistant_tokens` must be an integer >= 1 (drafts per round) or \"auto\", "
                          f"got {value!r}.")
     if value > max_drafts:
         raise ValueError(f"`num_assistant_tokens`={value} exceeds the {max_drafts} drafts per round this drafter "
                          f"can roll back; ask for fewer{f' ({limit_hint})' if limit_hint else ''}.")
-    return value, False
+    return int(value), False
 
 
 def regime(do_sample: bool, logits_processor) -> str:
