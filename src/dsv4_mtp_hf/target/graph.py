@@ -201,7 +201,13 @@ class TargetGraphs:
         self.max_length, self.max_rows = max_length, max_rollback + 1
         self.use_graphs = self.device.type == "cuda"
         self.compiled = compile and self.use_graphs
-        compiled = (lambda f: torch.compile(f, dynamic=False)) if self.compiled else (lambda f: f)
+        if self.compiled:
+            from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
+
+            options = inductor_options(self.device) or None  # Inductor's kernels launch with PDL like ours
+            compiled = functools.partial(torch.compile, dynamic=False, options=options)
+        else:
+            compiled = lambda f: f  # noqa: E731
         self._block, self._indices, self._head = compiled(_graph_block), compiled(_fixed_indices), compiled(_graph_head)
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
