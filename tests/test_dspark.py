@@ -443,7 +443,10 @@ def test_graphed_dspark_round_replays_its_eager_round(sampled):
 def test_dspark_generate_on_cuda_equals_plain_on_both_targets(monkeypatch):
     from dsv4_mtp_hf import graph_target, ungraph_target
 
+    from dsv4_mtp_hf import pack_fp4_experts
+
     target, dspark = _cuda_pair(seed=13)
+    pack_fp4_experts(target.bfloat16())  # capturable experts, as graph_target needs them (fp32 grouped_mm is not)
     ids = torch.randint(3, 300, (1, 11), generator=torch.Generator().manual_seed(14)).cuda()
     kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None)
     plain = target.generate(ids, **kw)

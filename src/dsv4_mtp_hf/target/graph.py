@@ -419,7 +419,9 @@ class TargetGraphs:
                     f"graph_target: {what} the target's {'compiled ' if self.compiled else ''}decode step of {n} rows "
                     f"failed ({type(e).__name__}: {str(e)[:400]}). A captured layer must not sync with the host: the "
                     f"experts implementation is {impl!r}, and pack_fp4_experts(target) or "
-                    "set_experts_implementation('grouped_mm') are capturable. graph_target(target, compile=False) "
+                    "set_experts_implementation('grouped_mm') with bf16 expert weights are capturable (compiled, "
+                    "transformers runs other dtypes' grouped_mm through a loop that reads the offsets on the host). "
+                    "graph_target(target, compile=False) "
                     "captures the uncompiled step; ungraph_target(target) runs transformers' forward.") from e
 
     def _capture(self, plan, graphs: list[_Graph], n: int) -> None:
