@@ -134,10 +134,12 @@ def test_auto_k_keeps_greedy_output_exact_and_follows_acceptance(path, wrong_eve
     assert s.auto and s.as_dict()["num_assistant_tokens"] == "auto" and s.num_assistant_tokens == dl.AUTO_MAX_DRAFTS
     print("draft lengths:", s.draft_lengths)
     drafted = [k for k in s.draft_lengths if k]  # 0: a plain step, "auto" found drafting did not pay
-    assert len(drafted) == s.rounds and set(s.draft_lengths) <= {0, 1, 2, 3, 4}
+    assert len(drafted) == s.rounds and set(s.draft_lengths) <= set(range(dl.AUTO_MAX_DRAFTS + 1))
     assert s.accepted == (0 if wrong_every else s.drafted)
     late = s.draft_lengths[len(s.draft_lengths) // 2:]
-    assert (min(late) >= 3) if not wrong_every else (sorted(late)[len(late) // 2] <= 1), s.draft_lengths
+    median = sorted(late)[len(late) // 2]  # the most drafts when all land (a neighbour explored now and then)
+    assert (median == dl.AUTO_MAX_DRAFTS and min(late) >= dl.AUTO_MAX_DRAFTS - 1) if not wrong_every else median <= 1, \
+        s.draft_lengths
 
 
 def test_auto_k_bad_values_are_named():

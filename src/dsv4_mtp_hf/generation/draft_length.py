@@ -31,7 +31,9 @@ import time
 # BENCHMARKS.md: a 4-row verify costs ~1.1-1.2x a 1-row step on a 5-layer V4-Flash-shaped target.
 PRIOR_SLOPE = 0.07
 EXPLORE_EVERY = 8
-AUTO_MAX_DRAFTS = 4  # drafts per round at most with "auto"
+# The MTP's drafts per round with "auto" (its graphed round drafts them all, the verifier gets a prefix): the
+# published K.  A 4th draft cost ~7% of a round for none accepted at the published acceptance (BENCHMARKS.md, run K).
+AUTO_MAX_DRAFTS = 3
 # Rounds before plain steps are considered: the first (untimed: the drafter's pass over the prompt) and two
 # timed ones.  Every drafting round that misses costs a plain step's worth or more (BENCHMARKS.md, run J).
 PLAIN_FIRST = 3

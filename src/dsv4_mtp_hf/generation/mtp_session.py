@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import sampling
+from .draft_length import AUTO_MAX_DRAFTS
 from .drafter import Drafts, DraftSession, register
 from .graphs import kept_drafter, weight_pointers
 from .mtp_graph import GraphedDrafter
@@ -41,7 +42,7 @@ class MtpSession(DraftSession):
 
     @staticmethod
     def auto_num_drafts(model) -> int:
-        return 4  # K drafted per round under "auto" (the verifier gets the prefix the call's statistics choose)
+        return AUTO_MAX_DRAFTS  # K drafted per round under "auto" (the verifier gets the prefix the call chooses)
 
     def __init__(self, mtp, num_drafts: int, regime: str, warpers=None):
         super().__init__(mtp, num_drafts)
