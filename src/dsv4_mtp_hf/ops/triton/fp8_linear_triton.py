@@ -5,8 +5,7 @@ by masked loads, one program per ``BLOCK_N`` output columns, K split over progra
 reduction when N alone cannot fill the GPU).  The weight tile is FP8: it is widened to x's dtype in
 registers (exact: e4m3 values fit bf16), multiplied in a fresh accumulator per 128-column K block and added
 times that block's scale.  ``BLOCK_N`` divides 128 and tiles start at multiples of it, so a tile lies in
-one scale row; a K step of ``BLOCK_K`` columns (a multiple of 128, or all of a small K) reads one scale per
-128 columns.  No atomics, fixed grids, no host sync: CUDA-graph safe.
+one scale row and every K step reads one scale.  No atomics, fixed grids, no host sync: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ class Fp8Config:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om, stride_os,
                        N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr,
-                       GROUPED: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr, GROUPED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     wait(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -50,7 +49,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_
         x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, SUB_K)
+    rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
@@ -58,19 +57,16 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_
     s_row = s_ptr + (pid * BLOCK_N // SCALE_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, K_SPLIT, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // SUB_K):  # one scale per SUB_K (<= 128) columns
-            k0 = k_lo + k + j * SUB_K
-            if EVEN:
-                w = tl.load(w_ptrs + j * SUB_K)
-                xt = tl.load(x_ptrs + j * SUB_K, mask=mmask[None, :], other=0.0)
-                s = tl.load(s_row + k0 // SCALE_BLOCK)
-            else:
-                inside = k0 < k_lo + K_SPLIT  # a wide step's last sub-blocks may lie in the next split
-                kmask = ((k0 + rk) < K) & inside
-                w = tl.load(w_ptrs + j * SUB_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
-                xt = tl.load(x_ptrs + j * SUB_K, mask=mmask[None, :] & kmask[:, None], other=0.0)
-                s = tl.load(s_row + k0 // SCALE_BLOCK, mask=(k0 < K) & inside, other=0.0)
-            acc += tl.dot(w.to(xt.dtype), xt) * s
+        if EVEN:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
+            s = tl.load(s_row + (k_lo + k) // SCALE_BLOCK)
+        else:
+            kmask = (k_lo + k + rk) < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
+            s = tl.load(s_row + (k_lo + k) // SCALE_BLOCK, mask=(k_lo + k) < K, other=0.0)
+        acc += tl.dot(w.to(xt.dtype), xt) * s
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
@@ -79,8 +75,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 def pick_config(m: int, n: int, k: int, groups: int, sms: int = 132) -> Fp8Config | None:
     """The tallest tile (64, 32 or 16 rows, each dividing 128 and the group) that still gives about one
-    program per SM; K is split (in whole 128-column blocks) only when N alone cannot fill the GPU.
-    None: the kernel does not take the shape."""
+    program per SM; K is then split (in whole 128-column blocks) until there are about two programs per SM:
+    the FP8 stream needs more loads in flight than one program a SM keeps (BENCHMARKS.md, FP8 projections;
+    K steps of 256-512 columns and deeper pipelines were slower).  None: the kernel does not take the shape."""
     per_group = n // groups
 
     def fits(bn):
@@ -93,7 +90,7 @@ def pick_config(m: int, n: int, k: int, groups: int, sms: int = 132) -> Fp8Confi
     bk = BLOCK if k >= BLOCK else max(16, triton.next_power_of_2(k))
     blocks = triton.cdiv(k, BLOCK)
     split = 1
-    while triton.cdiv(n, bn) * split < 0.9 * sms and blocks // (2 * split) >= 2 and split < 64:
+    while triton.cdiv(n, bn) * split < 1.9 * sms and blocks // (2 * split) >= 2 and split < 64:
         split *= 2
     return Fp8Config(bn, split, bk, num_warps=4, num_stages=6 if bn <= 32 else 4)
 
@@ -112,9 +109,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if m == 0 or n == 0:
         return out
     bn, bk = config.block_n, config.block_k
-    if bk > BLOCK and bk % BLOCK:
-        raise ValueError(f"fp8_linear: a K step wider than the {BLOCK}-column scale block must be a multiple of it, "
-                         f"got block_k={bk}.")
+    if bk > BLOCK:
+        raise ValueError(f"fp8_linear: a K step reads one scale, so it spans at most {BLOCK} columns; got {bk}.")
     blocks = triton.cdiv(k, BLOCK)
     k_split = triton.cdiv(blocks, config.split) * BLOCK  # whole scale blocks per split
     split = triton.cdiv(k, k_split)
@@ -123,8 +119,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     pdl_kw = pdl.launch_args(x.device)
     _fp8_linear_kernel[(triton.cdiv(n, bn), split)](
         x, weight, scale, target, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), n, m * n, n // groups,
-        K_SPLIT=k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, SUB_K=min(bk, BLOCK),
-        SCALE_BLOCK=BLOCK,
+        K_SPLIT=k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, SCALE_BLOCK=BLOCK,
         EVEN=even, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
     )
     if split > 1:
