@@ -380,12 +380,14 @@ def fp8_sweep_configs(base):
     more warps, other tiles (K steps wider than one scale block were slower on an H100: git history)."""
     from dataclasses import replace
 
+    if base.block_k < 128:  # a small K: one step, nothing to vary
+        return []
     cands = [replace(base, num_stages=8), replace(base, split=base.split * 2),
              replace(base, split=max(base.split // 2, 1)),
              replace(base, num_warps=8), replace(base, block_n=min(2 * base.block_n, 128)),
              replace(base, block_n=max(base.block_n // 2, 16))]
     seen = {base}
-    return [c for c in cands if base.block_k >= 128 and not (c in seen or seen.add(c))]
+    return [c for c in cands if not (c in seen or seen.add(c))]
 
 
 def fp8_sweep(args):

@@ -441,9 +441,7 @@ def test_graphed_dspark_round_replays_its_eager_round(sampled):
 
 @pytest.mark.gpu
 def test_dspark_generate_on_cuda_equals_plain_on_both_targets(monkeypatch):
-    from dsv4_mtp_hf import graph_target, ungraph_target
-
-    from dsv4_mtp_hf import pack_fp4_experts
+    from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 
     target, dspark = _cuda_pair(seed=13)
     pack_fp4_experts(target.bfloat16())  # capturable experts, as graph_target needs them (fp32 grouped_mm is not)
