@@ -204,7 +204,9 @@ class TargetGraphs:
         if self.compiled:
             from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
 
-            options = inductor_options(self.device) or None  # Inductor's kernels launch with PDL like ours
+            # Inductor's kernels launch with PDL like ours; without reorder_for_locality the state rings' writes stay
+            # after their reads, so Inductor writes them in place instead of copying each ring around its scatter.
+            options = {**inductor_options(self.device), "reorder_for_locality": False}
             compiled = functools.partial(torch.compile, dynamic=False, options=options)
         else:
             compiled = lambda f: f  # noqa: E731
