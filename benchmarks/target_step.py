@@ -134,28 +134,43 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
     replay_ms = kernels = None
     if graphs and 1 in graphs._graphs:  # one graph per device segment (one on one GPU)
         replay = lambda: [g.graph.replay() for g in graphs._graphs[1]]  # noqa: E731
-        replay_ms, kernels = gpu_ms(replay, args.iters), kernel_count(replay)
+        replay_ms, trace = gpu_ms(replay, args.iters), kernel_trace(replay)
+        kernels = len(trace) or None
     return dict(label=label, kind=kind, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_t[1], moe_t=moe_t,
                 expert_gb=routed_expert_bytes(target) / 1e9, param_gb=peer_fp8.tensor_bytes(target) / 1e9,
                 fp8_linear_gb=fp8_linear_bytes(target) / 1e9, peak_gb=peak_gb(), replay_ms=replay_ms,
-                kernels=kernels, tokens=tokens, logits=logits, moe_out=out)
+                kernels=kernels, trace=trace if replay_ms else None, tokens=tokens, logits=logits, moe_out=out)
 
 
-def kernel_count(fn) -> int | None:
-    """GPU kernels one call of ``fn`` launches (torch.profiler's CUDA activity; graph nodes included)."""
+def kernel_trace(fn) -> list[tuple[str, float]]:
+    """(name, GPU µs) of each kernel one call of ``fn`` launches (torch.profiler's CUDA activity; graph nodes
+    included)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.lower().startswith(("memcpy", "memset"))]
-    return len(kernels) or None
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.lower().startswith(("memcpy", "memset"))]
+
+
+def kernel_table(r: dict, top: int = 18) -> str:
+    """One graphed step's kernels grouped by name, the most GPU time first; their busy time against the replay."""
+    groups: dict[str, list[float]] = {}
+    for name, us in r["trace"]:
+        groups.setdefault(name, []).append(us)
+    busy = sum(sum(v) for v in groups.values())
+    lines = [f"{r['layers']} layers, {r['label']}: {len(r['trace'])} kernels, busy {busy / 1e3:.3f} ms of a "
+             f"{r['replay_ms']:.3f} ms replay ({busy / 1e3 / r['replay_ms']:.0%})",
+             f"{'count':>5} {'total us':>9} {'mean us':>8}  kernel"]
+    for name, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"{len(v):>5} {sum(v):>9.1f} {sum(v) / len(v):>8.2f}  {name[:110]}")
+    return "\n".join(lines)
 
 
 def row(layers: int, r: dict) -> dict:
-    return dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits", "moe_out")})
+    return dict(layers=layers, **{k: v for k, v in r.items() if k not in ("tokens", "logits", "moe_out", "trace")})
 
 
 def check_graphed_step(target, graphs, prompt, layers: int, checks: dict) -> None:
@@ -217,6 +232,8 @@ def run_ours(layers: int, args, rows: list, checks: dict) -> None:
         if r is not None:
             rows.append(row(layers, r))
             print(rows[-1], flush=True)
+            if r.get("trace"):
+                print(kernel_table({**r, "layers": layers}), flush=True)
     del target, graphs
     free()
 
