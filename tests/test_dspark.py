@@ -450,7 +450,9 @@ def test_dspark_generate_on_cuda_equals_plain_on_both_targets(monkeypatch):
     _truth_drafts(monkeypatch, plain, {11 + i for i in range(0, 60, 6)})
     assert torch.equal(target.generate(ids, assistant_model=dspark, **kw), plain)
     monkeypatch.undo()
-    pack_fp4_experts(target.bfloat16())  # capturable experts, as graph_target needs them (fp32 grouped_mm is not)
+    target, dspark = _cuda_pair(seed=13)  # a bf16 pair with packed experts: graph_target needs capturable experts
+    pack_fp4_experts(target.bfloat16())  # (fp32 grouped_mm is not) and a release's drafter is bf16 too
+    dspark.bfloat16()
     graph_target(target, max_length=128)
     try:
         plain_graphed = target.generate(ids, **kw)
