@@ -1,23 +1,15 @@
 """Triton kernel behind ``dsv4_mtp::fp8_linear`` on CUDA: a W8A16 weight stream for a few rows.
 
 The layout of ``skinny_linear_triton`` ("swap AB": ``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16
-by masked loads, one program per ``BLOCK_N`` output columns, K split over programs when N alone cannot
-fill the GPU).  The weight tile is FP8: it is widened to x's dtype in registers (exact: e4m3 values fit
-bf16), multiplied in a fresh accumulator per 128-column K block and added times that block's scale.
-``BLOCK_N`` divides 128 and tiles start at multiples of it, so a tile lies in one scale row and every K step
-reads one scale.
-
-A split K writes fp32 partials; the last of a tile's programs to finish (a per-tile counter, incremented
-atomically) sums them in a fixed order and writes the output, so a projection is one launch, not a GEMV and
-a reduce, and the result is deterministic.  The counters live in a per-device buffer, zero between calls
-(the summing program resets its tile's); each call takes the next of ``COUNTER_SLOTS`` regions, so calls that
-run concurrently (a graph's parallel branches) never share a counter.  Fixed grids, no host sync: CUDA-graph
-safe once the buffer exists (the first call on a device must not be under capture: a warm-up creates it).
+by masked loads, one program per ``BLOCK_N`` output columns, K split over programs with a fixed-order
+reduction when N alone cannot fill the GPU).  The weight tile is FP8: it is widened to x's dtype in
+registers (exact: e4m3 values fit bf16), multiplied in a fresh accumulator per 128-column K block and added
+times that block's scale.  ``BLOCK_N`` divides 128 and tiles start at multiples of it, so a tile lies in
+one scale row and every K step reads one scale.  No atomics, fixed grids, no host sync: CUDA-graph safe.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +19,10 @@ import triton.language as tl
 from ..fp8_linear import BLOCK, check_fp8_linear_inputs, fp8_linear_op, fp8_linear_reference
 from . import pdl
 from .pdl import wait
-from .skinny_linear_triton import _sm_count
+from .skinny_linear_triton import REDUCE_BLOCK, _reduce_kernel, _sm_count
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference runs: a GEMM on the dequantised weight
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # fp32 activations run the reference
-COUNTER_TILES = 4096  # output tiles a split-K call may have (N / BLOCK_N: V4's widest is 32768 / 64 = 512)
-COUNTER_SLOTS = 64  # counter regions taken in turn: more than the calls a graph can run at once
-_counters: dict[torch.device, torch.Tensor] = {}
-_next_slot = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -47,14 +35,15 @@ class Fp8Config:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                       stride_om, N_PER_GROUP, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr,
-                       GROUPED: tl.constexpr, PDL: tl.constexpr = False):
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+                       N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr, GROUPED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     wait(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * K_SPLIT
+    out_ptr += pid_k.to(tl.int64) * stride_os
     x_col0 = 0
     if GROUPED:
         x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
@@ -80,28 +69,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, 
         acc += tl.dot(w.to(xt.dtype), xt) * s
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    omask = mmask[None, :] & nmask[:, None]
     o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    if SPLIT == 1:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        _split_k_finish(acc, part_ptr, count_ptr + pid, o_ptrs, omask, rm, rn, M, N, pid_k, SPLIT)
-
-
-@triton.jit
-def _split_k_finish(acc, part_ptr, counter, o_ptrs, omask, rm, rn, M, N, pid_k, SPLIT: tl.constexpr):
-    """Write this program's partial; the tile's last program sums all ``SPLIT`` partials (fixed order), writes
-    the output and resets the tile's counter."""
-    mn = M.to(tl.int64) * N
-    p_off = rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(part_ptr + pid_k * mn + p_off, acc, mask=omask)
-    tl.debug_barrier()  # every warp's partial is written before the release below
-    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
-        total = tl.load(part_ptr + p_off, mask=omask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT):
-            total += tl.load(part_ptr + s * mn + p_off, mask=omask, other=0.0, cache_modifier=".cg")
-        tl.store(o_ptrs, total.to(o_ptrs.dtype.element_ty), mask=omask)
-        tl.atomic_xchg(counter, 0, sem="relaxed")
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
 
 
 def pick_config(m: int, n: int, k: int, groups: int, sms: int = 132) -> Fp8Config | None:
@@ -146,32 +115,17 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     k_split = triton.cdiv(blocks, config.split) * BLOCK  # whole scale blocks per split
     split = triton.cdiv(k, k_split)
     even = n % bn == 0 and k % k_split == 0 and k_split % bk == 0
-    tiles = triton.cdiv(n, bn)
-    part, counters = (out, out) if split == 1 else (
-        torch.empty(split, m, n, dtype=torch.float32, device=x.device), tile_counters(x.device, tiles, m, n, k))
-    _fp8_linear_kernel[(tiles, split)](
-        x, weight, scale, out, part, counters, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), n,
-        n // groups, K_SPLIT=k_split, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn,
-        BLOCK_K=bk, SCALE_BLOCK=BLOCK, EVEN=even, GROUPED=groups > 1, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.launch_args(x.device),
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    pdl_kw = pdl.launch_args(x.device)
+    _fp8_linear_kernel[(triton.cdiv(n, bn), split)](
+        x, weight, scale, target, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), n, m * n, n // groups,
+        K_SPLIT=k_split, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, SCALE_BLOCK=BLOCK,
+        EVEN=even, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
     )
+    if split > 1:
+        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
+                                                             num_warps=4, **pdl_kw)
     return out
-
-
-def tile_counters(device: torch.device, tiles: int, m: int, n: int, k: int) -> torch.Tensor:
-    """The next counter region of ``device``'s buffer for a split-K call of ``tiles`` output tiles (created, zeroed,
-    by the first such call on the device, which must not be under CUDA-graph capture)."""
-    if tiles > COUNTER_TILES:
-        raise ValueError(f"fp8_linear: M={m}, N={n}, K={k} has {tiles} output tiles; the split-K counters hold "
-                         f"{COUNTER_TILES} (raise COUNTER_TILES in ops/triton/fp8_linear_triton.py).")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fp8_linear: the first split-K call on {device} (M={m}, N={n}, K={k}) is under "
-                               "CUDA-graph capture; run the step once before capturing it (a warm-up).")
-        _counters[device] = torch.zeros(COUNTER_SLOTS, COUNTER_TILES, dtype=torch.int32, device=device)
-    return _counters[device][next(_next_slot) % COUNTER_SLOTS]
 
 
 def kernel_takes(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
