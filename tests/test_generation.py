@@ -245,10 +245,17 @@ def test_plain_generate_is_unchanged_while_bound_and_unbind_restores_the_target(
     assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False), bound)
     # transformers <= 5.24 refuses assisted generation for V4 itself; 5.25 calls the unbound draft's
     # `generate`, which says to bind it.
-    with pytest.raises((ValueError, RuntimeError), match="stateful|Bind it to the target"):
+    with pytest.raises((ValueError, RuntimeError), match=r"stateful|not bound to a target \(never bound, or `unbind"):
         target.generate(ids, assistant_model=mtp, max_new_tokens=4)
     with pytest.raises(RuntimeError, match="not bound"):
         mtp(ids, torch.randn(1, ids.shape[1], mtp.config.hc_mult, mtp.config.hidden_size))
+    other, _ = tiny_pair(seed=9)
+    mtp.bind(other)  # moved to another target: the first one is itself again, and the drafter says where it is
+    assert "generate" not in target.__dict__
+    with pytest.raises((ValueError, RuntimeError), match="stateful|bound to one target .*bind\\(other\\)"):
+        target.generate(ids, assistant_model=mtp, max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="bound to one target"):
+        mtp.generate(ids)
     mtp.bind(target)
     target.generate(ids, assistant_model=mtp, max_new_tokens=4)
 

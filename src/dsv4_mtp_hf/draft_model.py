@@ -132,10 +132,19 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
         return None if self._shared is None else self._shared.lm_head
 
     def generate(self, *args, **kwargs):
-        raise RuntimeError(
-            f"{type(self).__name__} is a draft model: it needs the target's hidden states. Bind it to the target "
-            "(`drafter.bind(target)`, or `from_pretrained(..., target_model=target)`) and call "
-            "`target.generate(input_ids, assistant_model=drafter)`; `drafter.generate(...)` alone cannot run.")
+        """Refused: a drafter needs its target's hidden states.  transformers also lands here when a target that this
+        drafter is not bound to (never bound, ``unbind()``, or bound elsewhere since) generates with it."""
+        name = type(self).__name__
+        if self.is_bound:
+            state = (f"This {name} is bound to one target (a {type(self.target_model).__name__}) and drafts only for "
+                     "it: call that target's `generate(input_ids, assistant_model=drafter)`; to draft for another "
+                     "target, `drafter.bind(other)` first (a drafter serves one target at a time).")
+        else:
+            state = (f"This {name} is not bound to a target (never bound, or `unbind()` undid it). Bind it to the "
+                     "target (`drafter.bind(target)`, or `from_pretrained(..., target_model=target)`), then call "
+                     "`target.generate(input_ids, assistant_model=drafter)`.")
+        raise RuntimeError(f"{state} A draft model needs its target's hidden states; `drafter.generate(...)` cannot "
+                           "run alone.")
 
     def save_pretrained(self, save_directory, *args, layout: str = "transformers", target_config=None, **kwargs):
         """``layout="transformers"`` (the default): transformers' ``save_pretrained`` (experts stay packed, no
