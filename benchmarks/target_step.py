@@ -142,30 +142,41 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
                 kernels=kernels, trace=trace if replay_ms else None, tokens=tokens, logits=logits, moe_out=out)
 
 
-def kernel_trace(fn) -> list[tuple[str, float]]:
-    """(name, GPU µs) of each kernel one call of ``fn`` launches (torch.profiler's CUDA activity; graph nodes
-    included)."""
+def kernel_trace(fn) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of each kernel one call of ``fn`` launches (torch.profiler's CUDA activity; graph
+    nodes included)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
-    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and not e.name.lower().startswith(("memcpy", "memset"))]
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))]
+
+
+def exclusive_us(trace: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """(name, its own µs, its span µs) per kernel.  With PDL a kernel starts before its predecessor ends and its span
+    includes that wait; its own time is the part of its span no earlier-ending kernel covers (by end time), so the
+    own times partition the GPU's busy time: what the step would lose if that kernel took no time."""
+    out, covered = [], float("-inf")
+    for name, start, end in sorted(trace, key=lambda t: t[2]):
+        out.append((name, max(0.0, end - max(start, covered)), end - start))
+        covered = max(covered, end)
+    return out
 
 
 def kernel_table(r: dict, top: int = 18) -> str:
-    """One graphed step's kernels grouped by name, the most GPU time first; their busy time against the replay."""
-    groups: dict[str, list[float]] = {}
-    for name, us in r["trace"]:
-        groups.setdefault(name, []).append(us)
-    busy = sum(sum(v) for v in groups.values())
-    lines = [f"{r['layers']} layers, {r['label']}: {len(r['trace'])} kernels, busy {busy / 1e3:.3f} ms of a "
-             f"{r['replay_ms']:.3f} ms replay ({busy / 1e3 / r['replay_ms']:.0%})",
-             f"{'count':>5} {'total us':>9} {'mean us':>8}  kernel"]
-    for name, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"{len(v):>5} {sum(v):>9.1f} {sum(v) / len(v):>8.2f}  {name[:110]}")
+    """One graphed step's kernels grouped by name, the most own GPU time first (:func:`exclusive_us`)."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for name, own, span in exclusive_us(r["trace"]):
+        groups.setdefault(name, []).append((own, span))
+    own_ms = sum(o for v in groups.values() for o, _ in v) / 1e3
+    lines = [f"{r['layers']} layers, {r['label']}: {len(r['trace'])} kernels, own time {own_ms:.3f} ms of a "
+             f"{r['replay_ms']:.3f} ms replay ({own_ms / r['replay_ms']:.0%}; the rest: gaps)",
+             f"{'count':>5} {'own us':>8} {'span us':>8}  kernel"]
+    for name, v in sorted(groups.items(), key=lambda kv: -sum(o for o, _ in kv[1]))[:top]:
+        lines.append(f"{len(v):>5} {sum(o for o, _ in v):>8.1f} {sum(s for _, s in v):>8.1f}  {name[:110]}")
     return "\n".join(lines)
 
 
