@@ -11,6 +11,7 @@ from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import (CacheRollbackError, Drafts, GraphedTargetCache, RollbackDeepseekV4Cache,
                                     mtp_decoding)
 from dsv4_mtp_hf.target import graph as target_graph
+from dsv4_mtp_hf.target.fp8_linears import quantize_fp8_linears
 from dsv4_mtp_hf.compat import cache_kwarg as _cache_kwarg
 
 from .helpers import draw_until_clear, edited_drafts, tiny_pair, truth_drafts
@@ -345,6 +346,18 @@ def test_graphed_target_errors_name_the_problem():
     with pytest.raises(RuntimeError, match="superseded"):
         cache.get_seq_length()
     assert isinstance(newer, GraphedTargetCache) and newer.get_seq_length() == 0
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1.0)  # in place: the graphs read the same addresses
+    target.generate(ids_of(1, 4), max_new_tokens=2, do_sample=False)
+    quantize_fp8_linears(target)  # modules replaced under the graphs: their weights' addresses are freed
+    with pytest.raises(RuntimeError, match=r"weights changed since graph_target \(model.layers.0.self_attn.q_a_proj"
+                                           r".*ungraph_target\(target\) before changing"):
+        target.generate(ids_of(1, 4), max_new_tokens=2, do_sample=False)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        target.generate(ids_of(1, 4), max_new_tokens=2, assistant_model=mtp, num_assistant_tokens=2)
+    ungraph_target(target)
+    graph_target(target, max_length=24, max_rollback=2)  # graphed again over the new weights
+    target.generate(ids_of(1, 4), max_new_tokens=2, do_sample=False)
     ungraph_target(target)
     with pytest.raises(ValueError, match="not graphed"):
         ungraph_target(target)

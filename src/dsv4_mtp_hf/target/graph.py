@@ -217,6 +217,24 @@ class TargetGraphs:
         self.tapped: list[int] = [len(target.model.layers) - 1]  # the layers whose outputs take_features hands out
         self._allocated = False  # the state's buffers exist (`_allocate`, before the first forward)
         self.prompt_chunk = 256  # the longest chunk a prompt replays as one graph (a power of two)
+        self._weights = self._weight_addresses()  # what the graphs read by address
+
+    def _weight_addresses(self) -> list[tuple]:
+        return [(name, t.data_ptr(), t.dtype) for name, t in
+                (*self.target.named_parameters(), *self.target.named_buffers())]
+
+    def check_weights(self) -> None:
+        """Raise if a weight of the target was moved or replaced since :func:`graph_target`: compiled and captured
+        steps read each weight at its address, so they would compute with freed memory."""
+        now = self._weight_addresses()
+        if now != self._weights:
+            before = {name: rest for name, *rest in self._weights}
+            changed = [name for name, *rest in now if before.get(name) != rest] or ["some weights were removed"]
+            raise RuntimeError(
+                f"the graphed target's weights changed since graph_target ({', '.join(changed[:3])}"
+                f"{', ...' if len(changed) > 3 else ''}): a dtype or device change, modules replaced "
+                "(quantize_fp8_linears, pack_fp4_experts) or load_state_dict(assign=True). Its graphs read the old "
+                "addresses. Call ungraph_target(target) before changing the target, then graph_target(target) again.")
 
     def tap(self, layers: list[int]) -> None:
         """Have the graphs write the outputs of decoder ``layers`` for :meth:`take_features` (a change of layers
@@ -263,6 +281,7 @@ class TargetGraphs:
         if max_rollback > self.state.max_rollback:
             raise ValueError(f"this graphed target rolls back at most {self.state.max_rollback} tokens per round, "
                              f"{max_rollback} asked: call graph_target(target, max_rollback={max_rollback}).")
+        self.check_weights()
         self._empty()
         self._epoch += 1
         self._features = None
