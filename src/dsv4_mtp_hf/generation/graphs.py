@@ -78,6 +78,9 @@ def kept_drafter(model, key: tuple, make):
 
 
 def weight_pointers(model) -> tuple:
-    """Addresses of the tensors a captured graph reads (the drafter's weights, the target's embedding and head)."""
-    return tuple(t.data_ptr() for t in (next(model.parameters()), model.get_input_embeddings().weight,
-                                        model.get_output_embeddings().weight))
+    """Addresses and dtypes of the tensors a captured graph reads (every weight and buffer of the drafter, the
+    target's embedding and head): a drafter whose weights moved (a dtype or device change, a replaced module)
+    gets new graphs rather than replaying over freed memory."""
+    tensors = (*model.parameters(), *model.buffers(), model.get_input_embeddings().weight,
+               model.get_output_embeddings().weight)
+    return tuple((t.data_ptr(), t.dtype) for t in tensors)
