@@ -131,7 +131,7 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
     out = moe_out(layer, h)
     logits = target(prompt).logits[0, -8:].float()
     graphs = graphed(target)  # the graphed step's GPU time alone: its 1-row graph replayed back to back
-    replay_ms = kernels = None
+    replay_ms = kernels = trace = None
     if graphs and 1 in graphs._graphs:  # one graph per device segment (one on one GPU)
         replay = lambda: [g.graph.replay() for g in graphs._graphs[1]]  # noqa: E731
         replay_ms, trace = gpu_ms(replay, args.iters), kernel_trace(replay)
@@ -139,7 +139,7 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
     return dict(label=label, kind=kind, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_t[1], moe_t=moe_t,
                 expert_gb=routed_expert_bytes(target) / 1e9, param_gb=peer_fp8.tensor_bytes(target) / 1e9,
                 fp8_linear_gb=fp8_linear_bytes(target) / 1e9, peak_gb=peak_gb(), replay_ms=replay_ms,
-                kernels=kernels, trace=trace if replay_ms else None, tokens=tokens, logits=logits, moe_out=out)
+                kernels=kernels, trace=trace, tokens=tokens, logits=logits, moe_out=out)
 
 
 def kernel_trace(fn) -> list[tuple[str, float, float]]:
