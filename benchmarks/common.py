@@ -194,7 +194,7 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
     target = dispatch_model(target, device_map=device_map) if torch.cuda.is_available() else target
     target.eval()
     if fp8_linears:
-        from dsv4_mtp_hf.target import quantize_fp8_linears
+        from dsv4_mtp_hf.target_runtime import quantize_fp8_linears
 
         quantize_fp8_linears(target)
     mtp = random_drafter(DeepseekV4MtpForCausalLM, DeepseekV4MtpConfig.from_target_config(tc),

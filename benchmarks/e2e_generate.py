@@ -55,8 +55,8 @@ from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator  # noqa: E4
 from dsv4_mtp_hf.generation.drafter import session_class  # noqa: E402
 from dsv4_mtp_hf.generation.dspark_session import DSparkSession  # noqa: E402
 from dsv4_mtp_hf.generation.mtp_session import MtpSession  # noqa: E402
-from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
-from dsv4_mtp_hf.target.ragged import RaggedTargetForward  # noqa: E402
+from dsv4_mtp_hf.target_runtime.graph import graphed  # noqa: E402
+from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward  # noqa: E402
 
 SEED = 1234
 MARGIN = 1000.0

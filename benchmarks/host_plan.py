@@ -16,7 +16,7 @@ import time
 
 from transformers import DeepseekV4Config
 
-from dsv4_mtp_hf.target.batched_state import BatchedTargetState
+from dsv4_mtp_hf.target_runtime.batched_state import BatchedTargetState
 
 
 def main():

@@ -339,7 +339,7 @@ def target_fp8_shapes(cfg) -> list[tuple[str, int, int, int]]:
 def fp8(args):
     """``dsv4_mtp::fp8_linear`` (W8A16, the release's FP8 bytes) against the bf16 weight through our skinny op and
     through torch (cuBLAS), on the target layer's FP8 projections; floor = the FP8 weight's bytes."""
-    from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+    from dsv4_mtp_hf.fp8 import quantize_fp8_block
     from dsv4_mtp_hf.ops.fp8_linear import fp8_linear_op, fp8_linear_reference
 
     cfg = DeepseekV4MtpConfig.from_json_file(args.config)
@@ -393,7 +393,7 @@ def fp8_sweep_configs(base):
 def fp8_sweep(args):
     """``--fp8 --sweep``: the FP8 kernel's other launch configurations per projection, M = 1 and 16 (each checked
     against the reference); the default and the best, and one layer's total with each shape's best."""
-    from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+    from dsv4_mtp_hf.fp8 import quantize_fp8_block
     from dsv4_mtp_hf.ops.fp8_linear import fp8_linear_reference
     from dsv4_mtp_hf.ops.triton.fp8_linear_triton import fp8_linear_triton, pick_config
 

@@ -38,9 +38,9 @@ from common import build_split_target, sync, wall  # noqa: E402
 import peer_fp8  # noqa: E402
 
 from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts, ungraph_target  # noqa: E402
-from dsv4_mtp_hf.target import fp8_linear_bytes, quantize_fp8_linears  # noqa: E402
-from dsv4_mtp_hf.target.graph import graphed  # noqa: E402
-from dsv4_mtp_hf.target.experts import expert_bytes  # noqa: E402
+from dsv4_mtp_hf.target_runtime import fp8_linear_bytes, quantize_fp8_linears  # noqa: E402
+from dsv4_mtp_hf.target_runtime.graph import graphed  # noqa: E402
+from dsv4_mtp_hf.target_runtime.experts import expert_bytes  # noqa: E402
 
 SEED = 4321
 MOE_ROWS = (1, 2, 4, 8, 16)

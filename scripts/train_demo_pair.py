@@ -620,7 +620,7 @@ def main():
     sd = {k: v.detach().cpu() for k, v in target.state_dict().items() if k in own}
     for n in bf16_names(target):
         sd[n] = sd[n].bfloat16()
-    target.cpu().save_pretrained(out / "target", state_dict=sd)
+    target.cpu().save_pretrained(out / "target_model", state_dict=sd)
     mtp.cpu().save_pretrained(out / "mtp")
     tokenizer.save_pretrained(out / "tokenizer")
     (out / "heldout_files.txt").write_text("\n".join(report["corpus"].pop("heldout_names")) + "\n")

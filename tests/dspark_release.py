@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4_mtp_hf.fp4 import quantize_fp4
-from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+from dsv4_mtp_hf.fp8 import quantize_fp8_block
 
 LAYER_TYPE_CYCLE = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 FP8_BLOCK = 128

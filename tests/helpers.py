@@ -90,7 +90,7 @@ class DecisionMargins:
         self.by_kind: dict[str, float] = {}  # "router", "indexer", "argmax": the smallest margin of each
         self._scores, self._handles = None, []
         # the batched target path (generation/batched_attention.py) calls the indexer's scorer itself
-        from dsv4_mtp_hf.target.batched_state import BatchedTargetState
+        from dsv4_mtp_hf.target_runtime.batched_state import BatchedTargetState
 
         plain = BatchedTargetState.__dict__["_indexer_topk"]
 

@@ -10,7 +10,7 @@ from dsv4_mtp_hf.compat import cache_kwarg
 from dsv4_mtp_hf.generation import (BatchGenerationStats, RollbackDeepseekV4Cache, mtp_decoding,
                                     speculative_generate)
 from dsv4_mtp_hf.generation.mtp_session import MtpSession
-from dsv4_mtp_hf.target.graph import graphed
+from dsv4_mtp_hf.target_runtime.graph import graphed
 
 from .helpers import edited_drafts, proposals_recorded, sessions_made, tiny_pair
 

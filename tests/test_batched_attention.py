@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dsv4_mtp_hf.generation import CacheRollbackError, speculative_generate
-from dsv4_mtp_hf.target.batched_state import BatchedTargetState
-from dsv4_mtp_hf.target.ragged import RaggedTargetForward
+from dsv4_mtp_hf.target_runtime.batched_state import BatchedTargetState
+from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward
 
 from .helpers import draw_until_clear, tiny_pair
 

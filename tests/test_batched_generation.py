@@ -7,7 +7,7 @@ import torch
 from dsv4_mtp_hf import load_demo_pair
 from dsv4_mtp_hf.cache import PagedMtpKVCache
 from dsv4_mtp_hf.generation import mtp_decoding, speculative_generate
-from dsv4_mtp_hf.target.ragged import RaggedTargetForward
+from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward
 
 from .helpers import tiny_pair
 from .test_generation import _chi2_pvalue

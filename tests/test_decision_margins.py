@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from dsv4_mtp_hf.target.ragged import RaggedTargetForward
+from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward
 
 from .helpers import DecisionMargins, draw_until_clear, tiny_pair
 

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from transformers import DeepseekV4Config
 
 from dsv4_mtp_hf.fp4 import dequantize_fp4
-from dsv4_mtp_hf.loading.formats import dequantize_fp8_block
+from dsv4_mtp_hf.fp8 import dequantize_fp8_block
 
 from .dspark_reference import DSparkOracle, block_attention, hc_pre, rms_norm, sinkhorn
 from .dspark_release import (

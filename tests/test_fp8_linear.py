@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts
-from dsv4_mtp_hf.loading.formats import quantize_fp8_block
+from dsv4_mtp_hf.fp8 import quantize_fp8_block
 from dsv4_mtp_hf.ops.fp8_linear import fp8_linear, fp8_linear_op, fp8_linear_reference
-from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
-from dsv4_mtp_hf.target.fp8_linears import FP8BlockLinear, fp8_linear_bytes, quantize_fp8_linears
+from dsv4_mtp_hf.target_runtime.experts import DeepseekV4PackedExpertsForCausalLM
+from dsv4_mtp_hf.target_runtime.fp8_linears import FP8BlockLinear, fp8_linear_bytes, quantize_fp8_linears
 
 from .helpers import tiny_pair
 from .test_target_experts import logits, packed_experts, set_dense, whole_release

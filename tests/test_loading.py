@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from dsv4_mtp_hf import DeepseekV4MtpForCausalLM, fp4
 from dsv4_mtp_hf.loading import MtpCheckpointError
-from dsv4_mtp_hf.loading.formats import dequantize_fp8_block, quantize_fp8_block
+from dsv4_mtp_hf.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 from .helpers import run_fresh_python, tiny_pair
 
@@ -416,7 +416,7 @@ def test_trust_remote_code_loads_the_saved_draft_in_a_fresh_process(tmp_path):
         "save_file({k: v.contiguous() for k, v in m.state_dict().items()}, sys.argv[2])\n"
     )
     stdout = run_fresh_python(script, out, tmp_path / "sd.safetensors", tmp_path=tmp_path)
-    assert "dsv4_mtp_hf.modeling DeepseekV4MtpForCausalLM deepseek_v4_mtp" in stdout
+    assert "dsv4_mtp_hf.modeling_mtp DeepseekV4MtpForCausalLM deepseek_v4_mtp" in stdout
     with safe_open(str(tmp_path / "sd.safetensors"), framework="pt") as f:
         a = state(ref)
         assert set(f.keys()) == set(a)

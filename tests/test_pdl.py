@@ -15,10 +15,11 @@ SEED = 0
 
 @needs_triton
 def test_launch_args_keep_the_constexpr_and_the_launch_flag_together():
+    from dsv4_mtp_hf.ops import inductor_options
     from dsv4_mtp_hf.ops.triton import pdl
 
     assert pdl.launch_args(torch.device("cpu")) == {"PDL": 0}  # never "launch_pdl" without "PDL"
-    assert pdl.inductor_options(torch.device("cpu")) == {}
+    assert inductor_options(torch.device("cpu")) == {}
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         assert pdl.launch_args(torch.device("cuda")) == {"PDL": 1, "launch_pdl": True}
 

@@ -17,7 +17,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from dsv4_mtp_hf import DeepseekV4DSparkForCausalLM, DeepseekV4MtpForCausalLM, fp4
 from dsv4_mtp_hf.loading import SaveDirectoryError
 from dsv4_mtp_hf.loading.export import encode_fp8
-from dsv4_mtp_hf.loading.formats import dequantize_fp8_block, quantize_fp8_block
+from dsv4_mtp_hf.fp8 import dequantize_fp8_block, quantize_fp8_block
 from dsv4_mtp_hf.loading.native import RELEASE_SCALES, release_scales
 
 from .dspark_release import random_dspark_tensors, random_target_shared, tiny_dspark_config, write_dspark_release

@@ -21,8 +21,8 @@ import torch
 from transformers import DeepseekV4ForCausalLM, DynamicCache
 
 from dsv4_mtp_hf.compat import cache_kwarg
-from dsv4_mtp_hf.target.ragged import RaggedTargetForward
-from dsv4_mtp_hf.target.rollback_cache import RollbackDeepseekV4Cache
+from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward
+from dsv4_mtp_hf.target_runtime.rollback_cache import RollbackDeepseekV4Cache
 
 from .helpers import DRAW_SEED, DecisionMargins, draw_until_clear, randomize_, tiny_target_config
 

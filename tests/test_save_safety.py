@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from dsv4_mtp_hf import DeepseekV4MtpForCausalLM, pack_fp4_experts
 from dsv4_mtp_hf.loading.save_guard import SaveDirectoryError
-from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
+from dsv4_mtp_hf.target_runtime.experts import DeepseekV4PackedExpertsForCausalLM
 
 from .helpers import tiny_pair
 from .test_loading import make_release

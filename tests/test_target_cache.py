@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
 
-from dsv4_mtp_hf.target.rollback_cache import (
+from dsv4_mtp_hf.target_runtime.rollback_cache import (
     CacheRollbackError,
     RollbackCSALayer,
     RollbackDeepseekV4Cache,

@@ -17,8 +17,8 @@ from transformers import DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
 from dsv4_mtp_hf import pack_fp4_experts
-from dsv4_mtp_hf.target.dtypes import norms_to_compute_dtype
-from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM
+from dsv4_mtp_hf.target_runtime.dtypes import norms_to_compute_dtype
+from dsv4_mtp_hf.target_runtime.experts import DeepseekV4PackedExpertsForCausalLM
 
 from .helpers import tiny_pair
 

@@ -13,7 +13,7 @@ from transformers import DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import fp4, pack_fp4_experts
 from dsv4_mtp_hf.loading import MtpCheckpointError
-from dsv4_mtp_hf.target.experts import DeepseekV4PackedExpertsForCausalLM, expert_bytes
+from dsv4_mtp_hf.target_runtime.experts import DeepseekV4PackedExpertsForCausalLM, expert_bytes
 
 from .helpers import randomize_, tiny_pair, tiny_target_config
 from .test_loading import packed_expert_tensors

@@ -10,8 +10,8 @@ import torch
 from dsv4_mtp_hf import graph_target, pack_fp4_experts, ungraph_target
 from dsv4_mtp_hf.generation import (CacheRollbackError, Drafts, GraphedTargetCache, RollbackDeepseekV4Cache,
                                     mtp_decoding)
-from dsv4_mtp_hf.target import graph as target_graph
-from dsv4_mtp_hf.target.fp8_linears import quantize_fp8_linears
+from dsv4_mtp_hf.target_runtime import graph as target_graph
+from dsv4_mtp_hf.target_runtime.fp8_linears import quantize_fp8_linears
 from dsv4_mtp_hf.compat import cache_kwarg as _cache_kwarg
 
 from .helpers import draw_until_clear, edited_drafts, tiny_pair, truth_drafts

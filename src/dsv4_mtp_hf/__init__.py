@@ -7,8 +7,8 @@ from .configuration import DeepseekV4DSparkConfig, DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
 from .draft_vocab import draft_vocab_from_corpus
 from .loading.detect import load_drafter
-from .target import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
-from .modeling import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
+from .target_runtime import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
+from .modeling_mtp import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
 from .modeling_dspark import DeepseekV4DSparkForCausalLM, DeepseekV4DSparkOutput
 
 AutoConfig.register(DeepseekV4MtpConfig.model_type, DeepseekV4MtpConfig, exist_ok=True)

@@ -25,9 +25,9 @@ __all__ = ["demo_pair_path", "demo_pair_report", "load_demo_pair"]
 
 
 def demo_pair_path() -> Path:
-    """Directory holding ``target/``, ``mtp/`` and ``tokenizer/``."""
+    """Directory holding ``target_runtime/``, ``mtp/`` and ``tokenizer/``."""
     path = Path(str(resources.files(__package__) / "demo_pair"))
-    if not (path / "target" / "config.json").is_file() or not (path / "mtp" / "config.json").is_file():
+    if not (path / "target_model" / "config.json").is_file() or not (path / "mtp" / "config.json").is_file():
         raise FileNotFoundError(
             f"The demo pair is missing from {path}; rebuild it with `python scripts/train_demo_pair.py`."
         )
@@ -47,11 +47,11 @@ def load_demo_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torc
     """
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-    from .modeling import DeepseekV4MtpForCausalLM
+    from .modeling_mtp import DeepseekV4MtpForCausalLM
 
     path = demo_pair_path()
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-    target = DeepseekV4ForCausalLM.from_pretrained(path / "target", dtype=dtype).to(device).eval()
+    target = DeepseekV4ForCausalLM.from_pretrained(path / "target_model", dtype=dtype).to(device).eval()
     mtp = DeepseekV4MtpForCausalLM.from_pretrained(path / "mtp", dtype=dtype).to(device).eval()
     mtp.bind(target)
     return target, mtp, tokenizer

@@ -101,7 +101,7 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
         if self._shared is not None and self._shared.target is not None and self._shared.target is not target:
             self.unbind()
         from .generation.binding import attach  # lazy: generation builds on the model, not the reverse
-        from .target.dtypes import norms_to_compute_dtype
+        from .target_runtime.dtypes import norms_to_compute_dtype
 
         norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
         self._shared = SharedTargetModules(target)

@@ -91,9 +91,9 @@ class DeepseekV4DSparkForCausalLM(DeepseekV4DraftModel):
         """Load the DSpark drafter of a DeepSeek-V4 release (0731, -DSpark; ``model_type: deepseek_v4``, only the
         shards holding ``mtp.*`` fetched, plus ``embed.weight`` / ``head.weight`` when no target is given) or a
         saved drafter of ours (``model_type: deepseek_v4_dspark``).  ``target_model=``: bind to it."""
-        from .loading.detect import load_drafter_checkpoint
+        from .loading.dspark import load_dspark_checkpoint
 
-        return load_drafter_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *args,
+        return load_dspark_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *args,
                                        target_model=target_model, **kwargs)
 
     def new_cache(self, batch_size: int = 1, **kwargs) -> DSparkKVCache:

@@ -4,7 +4,7 @@ Everything it installs is per instance (never on a class, never process-wide) an
 
 * ``generate`` on a target that has a bound drafter or is graphed.  The wrapper offers each call to
   the registered generate handlers in order (:func:`register_generate_handler`: the drafters' assisted
-  calls from ``generation/``, a graphed target's plain calls from ``target/``); the first that takes it
+  calls from ``generation/``, a graphed target's plain calls from ``target_runtime/``); the first that takes it
   answers, else the class's own ``generate`` runs;
 * other methods a caller hands over (:func:`install` / :func:`uninstall`): a graphed target's
   ``forward``, a packed target's ``save_pretrained``;
@@ -12,7 +12,7 @@ Everything it installs is per instance (never on a class, never process-wide) an
   ``_get_candidate_generator``, ``prepare_inputs_for_generation`` inside an assisted call.
 
 Our bookkeeping on a target lives in one record (:class:`TargetRecord`, ``target._dsv4``).  This module
-imports nothing from the package, so ``target/`` and ``generation/`` both build on it.
+imports nothing from the package, so ``target_runtime/`` and ``generation/`` both build on it.
 """
 
 from __future__ import annotations

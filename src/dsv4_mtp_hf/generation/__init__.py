@@ -6,7 +6,7 @@
 * ``binding``: bind/unbind and the assisted ``generate`` calls; ``draft_length``, ``stats``, ``grammar``.
 """
 
-from ..target import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, graph_target, ungraph_target
+from ..target_runtime import CacheRollbackError, GraphedTargetCache, RollbackDeepseekV4Cache, graph_target, ungraph_target
 from .candidate import DraftCandidateGenerator
 from .drafter import Drafts, DraftSession
 from .grammar import GrammarStats, XGrammarLogitsProcessor

@@ -72,7 +72,7 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
            **model_kwargs):
     """The loop (module docstring) for ``input_ids [1, L]`` with generate's ``model_kwargs``; ``candidates``
     is the call's candidate generator, ``model_kwargs[cache_name]`` the target's
-    :class:`~dsv4_mtp_hf.target.graph.GraphedTargetCache` (empty, or holding a prefix of ``input_ids`` from an
+    :class:`~dsv4_mtp_hf.target_runtime.graph.GraphedTargetCache` (empty, or holding a prefix of ``input_ids`` from an
     earlier call); ``warpers``: the call's (graph-safe) logits processors when it samples, None when greedy.
     Returns ``[1, L + new]``."""
     max_length, eos = _limits(stopping_criteria)

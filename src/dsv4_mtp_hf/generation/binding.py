@@ -23,9 +23,9 @@ import torch
 
 from .. import patching
 from ..compat import cache_kwarg
-from ..target.features import FeatureTap
-from ..target.graph import GraphedTargetCache, final_length, graphed
-from ..target.rollback_cache import RollbackDeepseekV4Cache
+from ..target_runtime.features import FeatureTap
+from ..target_runtime.graph import GraphedTargetCache, final_length, graphed
+from ..target_runtime.rollback_cache import RollbackDeepseekV4Cache
 from . import assisted_loop, dspark_session, mtp_session  # noqa: F401  (the drafters' sessions register)
 from . import round as rounds
 from .candidate import DraftCandidateGenerator

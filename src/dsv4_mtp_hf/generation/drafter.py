@@ -5,7 +5,7 @@ drafting state for one sequence.  The drivers (transformers' loop through :mod:`
 :mod:`.assisted_loop`) know nothing else of a drafter:
 
 * ``feature_layers``: which target layers' outputs (the multi-stream residual ``[hc, D]`` after the layer)
-  the drafter reads; the target's side captures them (:mod:`dsv4_mtp_hf.target.features`);
+  the drafter reads; the target's side captures them (:mod:`dsv4_mtp_hf.target_runtime.features`);
 * :meth:`DraftSession.draft`: commit the target's rows that were confirmed since the last round (their
   features), drop the drafter's provisional rows, and propose the next drafts after the confirmed tokens;
 * :meth:`DraftSession.hold`: the target ran without a draft after it (the round that ends a generation):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import progress
+from ..ops import inductor_options
 
 
 def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
@@ -53,8 +54,6 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict | Non
 
     options = dict(torch._inductor.list_mode_options(mode or "default"))
     if device.type == "cuda":
-        from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
-
         options.update(inductor_options(device))
     return options or None
 

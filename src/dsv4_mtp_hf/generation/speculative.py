@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..target.ragged import RaggedTargetForward
+from ..target_runtime.ragged import RaggedTargetForward
 from . import round as rounds
 from . import sampling
 from .mtp_session import MtpSession
@@ -285,7 +285,7 @@ def speculative_generate(
     ``generate``).  ``num_assistant_tokens`` (default ``mtp.generation_config.num_assistant_tokens``)
     drafts per round; ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
     ``target_attention``: ``"batched"`` runs the target's attention once per layer for all sequences
-    (:mod:`~dsv4_mtp_hf.target.batched_state`); ``"per_sequence"`` once per sequence through transformers'
+    (:mod:`~dsv4_mtp_hf.target_runtime.batched_state`); ``"per_sequence"`` once per sequence through transformers'
     own attention and cache (the reference it is tested against).  ``mtp.last_generation_stats`` holds the
     per-sequence statistics afterwards.
     """

@@ -4,7 +4,9 @@ release layout for serving engines (:mod:`.export`)."""
 
 from .checkpoint import checkpoint_kind, load_saved_draft
 from .export import save_release_layout
-from .native import MtpCheckpointError, is_native_checkpoint, load_native_mtp
+from .files import is_native_checkpoint
+from .formats import MtpCheckpointError
+from .native import load_native_mtp
 from .remote_code import AUTO_MAP, save_with_remote_code, write_remote_code
 from .save_guard import SaveDirectoryError
 

@@ -18,7 +18,7 @@ import os
 from transformers.utils import logging as hf_logging
 
 from .formats import MtpCheckpointError
-from .native import (
+from .files import (
     INDEX_FILE,
     SINGLE_FILE,
     check_shard_names,

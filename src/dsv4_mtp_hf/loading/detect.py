@@ -11,9 +11,8 @@ naming the class to use.
 
 from __future__ import annotations
 
-from .checkpoint import check_loading_info, check_saved_files
 from .formats import MtpCheckpointError
-from .native import INDEX_FILE, SINGLE_FILE, hub_kwargs, read_config_dict, read_json_file, read_safetensors_header, resolve_file
+from .files import INDEX_FILE, SINGLE_FILE, hub_kwargs, read_config_dict, read_json_file, read_safetensors_header, resolve_file
 
 MTP, DSPARK = "mtp", "dspark"
 CLASSES = {MTP: "DeepseekV4MtpForCausalLM", DSPARK: "DeepseekV4DSparkForCausalLM"}
@@ -74,25 +73,6 @@ def check_class(cls, kind: str | None) -> None:
         raise MtpCheckpointError(
             f"This checkpoint ships the {'DSpark drafter' if kind == DSPARK else 'MTP head'}, not what {cls.__name__} "
             f"loads: use {CLASSES[kind]}.from_pretrained(...), or dsv4_mtp_hf.load_drafter(...) which picks it.")
-
-
-def load_drafter_checkpoint(cls, from_pretrained, path_or_repo, *args, target_model=None, **kwargs):
-    """``cls.from_pretrained`` for DSpark: a release through :mod:`.dspark`, a saved drafter through transformers'
-    loader with the saved-draft checks."""
-    where, kind = release_drafter(path_or_repo, kwargs)
-    check_class(cls, kind)
-    if where == "release":
-        from .dspark import load_native_dspark
-
-        return load_native_dspark(cls, path_or_repo, target_model=target_model, **kwargs)
-    check_saved_files(path_or_repo, kwargs)
-    want_info = kwargs.pop("output_loading_info", False)
-    kwargs.pop("ignore_mismatched_sizes", None)  # a mismatch is reported, never loaded silently
-    model, info = from_pretrained(path_or_repo, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
-    check_loading_info(path_or_repo, info)
-    if target_model is not None:
-        model.bind(target_model)
-    return (model, info) if want_info else model
 
 
 def load_drafter(path_or_repo, target_model=None, **kwargs):

@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from . import native as N
+from .checkpoint import check_loading_info, check_saved_files
+from .detect import check_class, release_drafter
+from .files import read_weight_map, resolve_file
 from .formats import MtpCheckpointError
 
 INPUT_PLAIN = {"main_norm.weight": "main_norm.weight"}  # under mtp.0.
@@ -97,14 +100,14 @@ def read_shared_modules(path_or_repo, hub: dict, dtype: torch.dtype, device) -> 
     """The release's ``embed.weight`` / ``head.weight`` as modules (only their shards are fetched)."""
     from safetensors import safe_open
 
-    weight_map, single = N.read_weight_map(path_or_repo, hub)
+    weight_map, single = read_weight_map(path_or_repo, hub)
     missing = [k for k in SHARED if k not in weight_map]
     if missing:
         raise MtpCheckpointError(f"{path_or_repo} has no {missing}: without a target model the drafter reads the "
                                  "release's embedding and lm head. Pass `target_model=` instead.")
     tensors = {}
     for name in SHARED:
-        path = single if single is not None else N.resolve_file(path_or_repo, weight_map[name], hub)
+        path = single if single is not None else resolve_file(path_or_repo, weight_map[name], hub)
         with safe_open(path, framework="pt", device="cpu") as f:
             tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     vocab, hidden = tensors["embed.weight"].shape
@@ -112,3 +115,20 @@ def read_shared_modules(path_or_repo, hub: dict, dtype: torch.dtype, device) -> 
     embed.weight = nn.Parameter(tensors["embed.weight"], requires_grad=False)
     head.weight = nn.Parameter(tensors["head.weight"], requires_grad=False)
     return embed, head
+
+
+def load_dspark_checkpoint(cls, from_pretrained, path_or_repo, *args, target_model=None, **kwargs):
+    """``DeepseekV4DSparkForCausalLM.from_pretrained``: a release through :func:`load_native_dspark`, a saved drafter
+    through transformers' loader with the saved-draft checks."""
+    where, kind = release_drafter(path_or_repo, kwargs)
+    check_class(cls, kind)
+    if where == "release":
+        return load_native_dspark(cls, path_or_repo, target_model=target_model, **kwargs)
+    check_saved_files(path_or_repo, kwargs)
+    want_info = kwargs.pop("output_loading_info", False)
+    kwargs.pop("ignore_mismatched_sizes", None)  # a mismatch is reported, never loaded silently
+    model, info = from_pretrained(path_or_repo, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    check_loading_info(path_or_repo, info)
+    if target_model is not None:
+        model.bind(target_model)
+    return (model, info) if want_info else model

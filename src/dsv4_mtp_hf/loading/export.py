@@ -32,20 +32,21 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from .. import fp4
+from ..fp8 import FP8_BLOCK, fp8_scale_shape, quantize_fp8_block
 from . import formats as F
 from . import native as N
+from .files import CONFIG_FILE, INDEX_FILE, read_config_dict
 
 logger = hf_logging.get_logger(__name__)
 
 LAYOUTS = ("transformers", "release")
-INDEX_FILE = N.INDEX_FILE
 # In the index metadata of every release-layout export: marks the files listed there as ours (a later export into
 # the same directory may replace them).
 EXPORT_MARK = ("dsv4_mtp_hf", "release_export")
 # DeepSeek's quantization config of the V4 releases (FP8 e4m3 linears, E8M0 128x128 block scales); the routed
 # experts' format is the top-level ``expert_dtype``.
 RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
-                        "weight_block_size": [F.FP8_BLOCK, F.FP8_BLOCK]}
+                        "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 # Words vLLM reads in a draft's path as a speculative method of its own (before it looks at the config).
 METHOD_WORDS = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 # Native linears a release stores in BF16 rather than FP8 (the router).
@@ -94,7 +95,7 @@ def release_header(model) -> dict[str, tuple[str, tuple]]:
                 header[f"{src}{suffix}.weight"] = ("BF16", shape)
             else:
                 header[f"{src}{suffix}.weight"] = ("F8_E4M3", shape)
-                header[f"{src}{suffix}.scale"] = ("F8_E8M0", F.fp8_scale_shape(shape))
+                header[f"{src}{suffix}.scale"] = ("F8_E8M0", fp8_scale_shape(shape))
 
     groups, blocks = release_groups(model)
     for src, dst, plain, linear in groups:
@@ -139,7 +140,7 @@ def release_plan(model) -> tuple[dict, list[N.Unit]]:
 # -- encoding each unit -------------------------------------------------------------------------------------------
 
 
-def _expand(grid: torch.Tensor, shape: tuple[int, int], block: int = F.FP8_BLOCK) -> torch.Tensor:
+def _expand(grid: torch.Tensor, shape: tuple[int, int], block: int = FP8_BLOCK) -> torch.Tensor:
     n, k = shape
     return grid.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
 
@@ -160,16 +161,16 @@ def _as_e8m0(scale: torch.Tensor) -> torch.Tensor | None:
 def encode_fp8(w: torch.Tensor, stored_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """A weight as FP8 e4m3 + E8M0 block scale -> (weight, scale as ``float8_e8m0fnu``, reused).  ``stored_scale``
     (the scale the weight was loaded with) is reused when it reproduces ``w`` exactly (the release's own bytes);
-    otherwise DeepSeek's recipe quantises ``w`` (:func:`.formats.quantize_fp8_block`)."""
+    otherwise DeepSeek's recipe quantises ``w`` (:func:`dsv4_mtp_hf.fp8.quantize_fp8_block`)."""
     w = w.detach().float().cpu()
     e8m0 = F.SAFETENSORS_DTYPES["F8_E8M0"]
     raw = _as_e8m0(stored_scale) if stored_scale is not None else None
-    if raw is not None and tuple(raw.shape) == F.fp8_scale_shape(tuple(w.shape)) and bool((raw < 255).all()):
+    if raw is not None and tuple(raw.shape) == fp8_scale_shape(tuple(w.shape)) and bool((raw < 255).all()):
         full = _expand(fp4.decode_scales(raw, fp4.MXFP4), tuple(w.shape))
         q = (w / full).to(torch.float8_e4m3fn)
         if torch.equal(q.float() * full, w):
             return q, raw.clone().view(e8m0), True
-    q, s = F.quantize_fp8_block(w)
+    q, s = quantize_fp8_block(w)
     return q, s, False
 
 
@@ -238,7 +239,7 @@ def _target_config_dict(model, target_config) -> dict:
                 "config.json is then copied as it is).")
         target_config = target.config
     if isinstance(target_config, (str, os.PathLike)):
-        cfg = N.read_config_dict(target_config, {})
+        cfg = read_config_dict(target_config, {})
         if cfg is None:
             raise ValueError(f"target_config={os.fspath(target_config)!r}: no config.json there.")
         return dict(cfg)
@@ -417,14 +418,14 @@ def save_release_layout(model, save_directory, target_config=None, max_shard_siz
     index = {"metadata": {"total_size": total, EXPORT_MARK[0]: EXPORT_MARK[1]},
              "weight_map": dict(sorted(weight_map.items()))}
     Path(save_directory, INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    Path(save_directory, N.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+    Path(save_directory, CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
                                                    encoding="utf-8")
     for stale in earlier - set(names):  # files our earlier export listed that this one did not rewrite
         path = os.path.join(save_directory, stale)
         if os.path.isfile(path):
             os.remove(path)
     push_saved_folder(save_directory, push, f"Upload {what} (DeepSeek release layout)")
-    return [N.CONFIG_FILE, INDEX_FILE, *names]
+    return [CONFIG_FILE, INDEX_FILE, *names]
 
 
 def check_layout(layout: str) -> None:

@@ -1,8 +1,7 @@
 """Decoding the tensor formats of DeepSeek-V4 releases (design §1).
 
 * FP8 e4m3 weights with one scale per 128x128 block (``<module>.scale``, E8M0 in the
-  native release; float scales are accepted too).  Partial edge blocks are allowed:
-  the scale grid is ``[ceil(N/128), ceil(K/128)]``, as DeepSeek's own code computes it.
+  native release; float scales are accepted too): decoded by :mod:`dsv4_mtp_hf.fp8`.
 * Routed experts, packed FP4 (e2m1), in three layouts that we keep packed:
   native MXFP4 (``weight`` I8 + ``scale`` E8M0 per 32), ModelOpt NVFP4 (``weight`` U8 +
   ``weight_scale`` E4M3 per 16 + ``weight_scale_2`` fp32 global) and compressed-tensors
@@ -10,8 +9,8 @@
   global).  A fourth layout, ``dense``, is a BF16/F32 expert (community conversions);
   it is quantised to the model's FP4 format one matrix at a time.
 
-FP4 packing/decoding itself lives in :mod:`dsv4_mtp_hf.fp4`; this module only knows
-checkpoint layouts.
+FP4 and FP8 packing/decoding live in :mod:`dsv4_mtp_hf.fp4` and :mod:`dsv4_mtp_hf.fp8`; this module only
+knows checkpoint layouts.
 """
 
 from __future__ import annotations
@@ -21,9 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import fp4
-
-FP8_BLOCK = 128
-
 
 class MtpCheckpointError(ValueError):
     """The checkpoint cannot provide the MTP layer (missing, incomplete or malformed tensors)."""
@@ -52,61 +48,6 @@ E8M0_DTYPES = ("F8_E8M0", "U8")  # raw exponent bytes are accepted as U8
 PACKED_FP4_DTYPES = ("I8", "U8")
 E4M3_SCALE_DTYPES = ("F8_E4M3", "U8")
 BLOCK_SCALE_DTYPES = E8M0_DTYPES + ("F32", "BF16")
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def fp8_scale_shape(shape: tuple[int, int], block: int = FP8_BLOCK) -> tuple[int, int]:
-    n, k = shape
-    return ceil_div(n, block), ceil_div(k, block)
-
-
-def decode_block_scale(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) or float scales -> float32."""
-    if scale.dtype == torch.uint8 or scale.dtype == SAFETENSORS_DTYPES["F8_E8M0"]:
-        return fp4.decode_scales(scale.view(torch.uint8), fp4.MXFP4)
-    return scale.float()
-
-
-@torch.no_grad()
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK, rows_per_chunk: int = 4096
-) -> torch.Tensor:
-    """``weight`` e4m3 ``[N, K]`` times its block scale ``[ceil(N/b), ceil(K/b)]`` -> ``dtype``.
-
-    Decoded in row chunks so the fp32 intermediate stays small; runs on ``weight``'s device.
-    """
-    n, k = weight.shape
-    s = decode_block_scale(scale.to(weight.device))
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    rows_per_chunk = max(block, rows_per_chunk - rows_per_chunk % block)
-    for r0 in range(0, n, rows_per_chunk):
-        r1 = min(n, r0 + rows_per_chunk)
-        sb = s[r0 // block : ceil_div(r1, block)]
-        sb = sb.repeat_interleave(block, 0)[: r1 - r0].repeat_interleave(block, 1)[:, :k]
-        out[r0:r1] = (weight[r0:r1].float() * sb).to(dtype)
-    return out
-
-
-@torch.no_grad()
-def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`dequantize_fp8_block` with power-of-two (E8M0) scales, DeepSeek's
-    recipe: ``scale = 2**ceil(log2(block_amax / 448))``.  -> (e4m3 weight, e8m0 scale)."""
-    w = w.float()
-    n, k = w.shape
-    rb, cb = fp8_scale_shape((n, k), block)
-    padded = torch.zeros(rb * block, cb * block, device=w.device)
-    padded[:n, :k] = w
-    amax = padded.view(rb, block, cb, block).abs().amax(dim=(1, 3)).clamp(min=1e-30)
-    e = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
-    s = torch.ldexp(torch.ones_like(e), e.to(torch.int32))
-    full = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    q = (w / full).to(torch.float8_e4m3fn)
-    raw = (e + 127).to(torch.uint8)
-    e8m0 = SAFETENSORS_DTYPES["F8_E8M0"]
-    return q, (raw.view(e8m0) if e8m0 is not None else raw)
 
 
 # -- routed-expert layouts ------------------------------------------------------------------------

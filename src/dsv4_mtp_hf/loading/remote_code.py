@@ -82,7 +82,7 @@ def save_with_remote_code(model, save_fn, save_directory, *args, **kwargs):
     then place the remote-code files beside the weights.
 
     transformers' own ``register_for_auto_class`` mechanism would copy the modules that
-    define the classes (``dsv4_mtp_hf/modeling.py`` and its relative imports), which does
+    define the classes (``dsv4_mtp_hf/modeling_mtp.py`` and its relative imports), which does
     not work for a package; loading through remote code also registers the classes for
     auto-class saving, so that copy is switched off here while we save.
 

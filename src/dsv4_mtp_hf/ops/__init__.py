@@ -1,5 +1,6 @@
 """Custom ops: a readable PyTorch reference per op, fast kernels registered behind it."""
 
+from ._kernels import inductor_options
 from .argmax import argmax_last
 from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_cuda_kernels
 from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
@@ -19,7 +20,7 @@ from .skinny_linear import (
 )
 
 __all__ = [
-    "argmax_last", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
+    "argmax_last", "inductor_options", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
     "clamped_swiglu_op", "mtp_moe", "shared_expert",
     "sinkhorn", "sinkhorn_op", "sinkhorn_reference", "skinny_linear", "skinny_linear_cat", "skinny_linear_cat_op",

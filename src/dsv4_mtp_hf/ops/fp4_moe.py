@@ -113,14 +113,23 @@ def register_cuda_kernels() -> bool:
     return register_triton_kernels("fp4_moe_triton", "dsv4_mtp::fp4_moe")
 
 
+# Which (hidden, intermediate) sizes the CUDA kernels tile, told by their registration (the others run the reference).
+_kernel_sizes = None
+
+
+def register_kernel_sizes(supports) -> None:
+    """Called by the CUDA registration with its ``supports(hidden, intermediate) -> bool``."""
+    global _kernel_sizes
+    _kernel_sizes = supports
+
+
 def graph_capturable(hidden: int, intermediate: int, device: torch.device) -> bool:
     """Whether ``dsv4_mtp::fp4_moe`` runs a host-sync-free kernel for these sizes on ``device`` (what a CUDA graph
     can capture); the reference math synchronises with the host.  Asked by callers that choose to capture."""
     if device.type != "cuda" or not register_cuda_kernels():
         return False
-    from .triton.fp4_moe_triton import kernel_supports
+    return _kernel_sizes is not None and _kernel_sizes(hidden, intermediate)
 
-    return kernel_supports(hidden, intermediate)
 
 if torch.cuda.is_available():
     register_cuda_kernels()

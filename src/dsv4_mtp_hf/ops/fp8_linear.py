@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loading.formats import dequantize_fp8_block, fp8_scale_shape
+from ..fp8 import dequantize_fp8_block, fp8_scale_shape
 from ._kernels import register_triton_kernels
 from .skinny_linear import skinny_linear_reference
 

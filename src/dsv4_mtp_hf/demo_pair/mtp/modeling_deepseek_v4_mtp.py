@@ -6,6 +6,6 @@ Thin by design: the implementation lives in the `dsv4_mtp_hf` package
 Bind the loaded draft to its target with `mtp.bind(target)`.
 """
 
-from dsv4_mtp_hf.modeling import DeepseekV4MtpForCausalLM
+from dsv4_mtp_hf.modeling_mtp import DeepseekV4MtpForCausalLM
 
 __all__ = ["DeepseekV4MtpForCausalLM"]

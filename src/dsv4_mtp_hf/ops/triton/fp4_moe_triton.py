@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ... import fp4
-from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference
+from ..fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_kernel_sizes
 from .decode_ptx import DECODE_ASM, DECODE_ASM_RAW
 from .fp4_moe_hmma import act_prescale, hmma_supports, launch_hmma
 from .fp4_moe_stream import launch_stream, stream_supports
@@ -306,6 +306,9 @@ def fp4_moe_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_global, w2, w2
     if tickets is None:
         launch_sum(y, out, k, pdl_kw)
     return out
+
+
+register_kernel_sizes(kernel_supports)
 
 
 @fp4_moe.register_kernel("cuda")

@@ -8,39 +8,22 @@ The contract, kept by :func:`launch_args` and :func:`wait`: every PDL-launched k
 :func:`wait` before any load or store, then triggers its dependent (``launch_dependents``).
 Triggering after the wait keeps at most two grids of the chain resident, and waiting is
 transitive, so the chain keeps stream order.  CUDA-graph capture records the launches as
-programmatic edges.  :func:`inductor_options` turns PDL on for Inductor's generated kernels too.
+programmatic edges.  :func:`~dsv4_mtp_hf.ops._kernels.inductor_options` turns PDL on for Inductor's generated kernels too.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.lru_cache(maxsize=None)
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _on(device: torch.device) -> bool:
-    return device.type == "cuda" and _capable(device.index if device.index is not None else torch.cuda.current_device())
+from .._kernels import pdl_on
 
 
 def launch_args(device: torch.device) -> dict:
     """Keyword arguments for a launch of a kernel that takes ``PDL: tl.constexpr`` and calls
     :func:`wait` under it: PDL on sm_90+ (``PDL=1`` with ``launch_pdl``), off elsewhere."""
-    return {"PDL": 1, "launch_pdl": True} if _on(device) else {"PDL": 0}
-
-
-def inductor_options(device: torch.device) -> dict:
-    """Inductor options for a ``torch.compile`` whose kernels run on ``device``: PDL for the
-    generated kernels where :func:`launch_args` uses it (and this torch has the option)."""
-    import torch._inductor.config as config
-
-    return {"triton.enable_pdl": True} if hasattr(config.triton, "enable_pdl") and _on(device) else {}
+    return {"PDL": 1, "launch_pdl": True} if pdl_on(device) else {"PDL": 0}
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from .. import fp4, patching
 from ..compat import progress
 from ..layers.moe import FP4Experts
-from ..loading.formats import FP8_BLOCK
+from ..fp8 import FP8_BLOCK
 from .dtypes import norms_to_compute_dtype
 from .fp8_linears import FP8BlockLinear, keep_fp8_linears
 

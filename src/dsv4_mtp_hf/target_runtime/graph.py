@@ -46,6 +46,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .. import patching
 from ..compat import cache_kwarg, dynamo_recompile_limit, progress
+from ..ops import inductor_options
 from .batched_state import BatchedTargetState
 from .dtypes import norms_to_compute_dtype
 from .fp8_linears import keep_fp8_linears
@@ -202,8 +203,6 @@ class TargetGraphs:
         self.use_graphs = self.device.type == "cuda"
         self.compiled = compile and self.use_graphs
         if self.compiled:
-            from ..ops.triton.pdl import inductor_options  # Triton: CUDA installs only
-
             # Inductor's kernels launch with PDL like ours; without reorder_for_locality the state rings' writes stay
             # after their reads, so Inductor writes them in place instead of copying each ring around its scatter.
             options = {**inductor_options(self.device), "reorder_for_locality": False}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..loading.formats import FP8_BLOCK, decode_block_scale, quantize_fp8_block
+from ..fp8 import FP8_BLOCK, decode_block_scale, quantize_fp8_block
 from ..ops.fp8_linear import fp8_linear
 
 # The projections a V4 release stores in FP8 (module names end so); the rest stay as loaded: the compressors'

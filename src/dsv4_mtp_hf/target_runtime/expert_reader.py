@@ -17,16 +17,8 @@ import torch
 
 from ..loading import formats as F
 from ..loading.formats import MtpCheckpointError
-from ..loading.native import (
-    EXPERT_MATRICES,
-    Unit,
-    _fill_expert,
-    read_config_dict,
-    read_safetensors_header,
-    read_weight_map,
-    resolve_file,
-    validate_expert,
-)
+from ..loading.files import read_config_dict, read_safetensors_header, read_weight_map, resolve_file
+from ..loading.native import EXPERT_MATRICES, Unit, _fill_expert, validate_expert
 
 # A release names them `layers.…`; transformers' save_pretrained (and ours, `save_packed`) `model.layers.…`.
 LAYER_EXPERT = re.compile(r"^(model\.)?layers\.\d+\.ffn\.experts\.\d+\.w[123]\.")
