@@ -7,7 +7,13 @@ from .configuration import DeepseekV4DSparkConfig, DeepseekV4MtpConfig
 from .demo_pair import load_demo_pair
 from .draft_vocab import draft_vocab_from_corpus
 from .loading.detect import load_drafter
-from .target_runtime import DeepseekV4PackedExpertsForCausalLM, graph_target, pack_fp4_experts, ungraph_target
+from .target_runtime import (
+    DeepseekV4PackedExpertsForCausalLM,
+    RollbackDeepseekV4Cache,
+    graph_target,
+    pack_fp4_experts,
+    ungraph_target,
+)
 from .modeling_mtp import DeepseekV4MtpForCausalLM, DeepseekV4MtpOutput
 from .modeling_dspark import DeepseekV4DSparkForCausalLM, DeepseekV4DSparkOutput
 
@@ -18,6 +24,7 @@ AutoModelForCausalLM.register(DeepseekV4DSparkConfig, DeepseekV4DSparkForCausalL
 
 __all__ = ["DSparkKVCache", "DeepseekV4DSparkConfig", "DeepseekV4DSparkForCausalLM", "DeepseekV4DSparkOutput",
            "DeepseekV4MtpConfig", "DeepseekV4MtpForCausalLM", "DeepseekV4MtpOutput",
-           "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "draft_vocab_from_corpus",
+           "DeepseekV4PackedExpertsForCausalLM", "MtpKVCache", "PagedMtpKVCache", "RollbackDeepseekV4Cache",
+           "draft_vocab_from_corpus",
            "graph_target", "load_demo_pair", "load_drafter", "pack_fp4_experts", "ungraph_target"]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ __all__ = ["demo_pair_path", "demo_pair_report", "load_demo_pair"]
 
 
 def demo_pair_path() -> Path:
-    """Directory holding ``target_runtime/``, ``mtp/`` and ``tokenizer/``."""
+    """Directory holding ``target_model/``, ``mtp/`` and ``tokenizer/``."""
     path = Path(str(resources.files(__package__) / "demo_pair"))
     if not (path / "target_model" / "config.json").is_file() or not (path / "mtp" / "config.json").is_file():
         raise FileNotFoundError(

@@ -15,17 +15,18 @@ This loop runs the same round with the host doing only what it must:
   the GPU and read in one copy, the round's only synchronisation;
 * sampling: the same, with the call's warpers applied to every verified row at once and
   speculative sampling's accept/resample on the device (:func:`.sampling.speculative_accept`);
-* the tokens kept are the accepted drafts and the target's next token, cut at the first EOS
-  and at ``max_length``, exactly what plain ``generate`` adds one token at a time (greedy), or
-  distributed exactly as it (sampling).
+* the tokens kept are the accepted drafts and the target's next token, cut at the first EOS,
+  at ``max_length`` and where a stopping criterion fires, exactly what plain ``generate`` adds one
+  token at a time (greedy), or distributed exactly as it (sampling).
 
 ``generate`` still prepares everything (generation config, stopping criteria, the streamer's
 prompt) and hands over here as a ``custom_generate`` callable (``binding._assisted_generate``).
 The loop serves greedy decoding without logits processors and sampling whose processors are all
-graph-safe warpers (temperature, top-k, top-p, min-p), stopped by max length and EOS only,
-returning the sequences.  Anything else -- other processors (grammars, penalties,
-``min_new_tokens`` with an EOS), other stopping criteria, ``return_dict_in_generate``,
-``synced_gpus`` -- runs transformers' ``_assisted_decoding`` with the same prepared arguments.
+graph-safe warpers (temperature, top-k, top-p, min-p), with any stopping criteria (stop strings and
+user criteria are checked on each prefix of a round's tokens: :class:`.round.StopRules`), returning
+the sequences.  Anything else -- other processors (grammars, penalties, ``min_new_tokens`` with an
+EOS), ``return_dict_in_generate``, ``synced_gpus`` -- runs transformers' loop with the same prepared
+arguments (:mod:`.transformers_loop`).
 """
 
 from __future__ import annotations
@@ -37,24 +38,22 @@ from . import round as rounds
 from . import sampling
 
 
-def _limits(stopping_criteria) -> tuple[int, set[int]] | None:
-    """``(max_length, EOS ids)`` when the criteria are only max length and EOS, else None."""
+def _limits(stopping_criteria) -> tuple[int, set[int]]:
+    """``(max_length, EOS ids)`` of the call's criteria (``generate`` always adds a max length)."""
     max_length, eos = None, set()
     for criterion in stopping_criteria:
         if type(criterion) is MaxLengthCriteria:
             max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
         elif type(criterion) is EosTokenCriteria:
             eos |= {int(t) for t in criterion.eos_token_id.reshape(-1).tolist()}
-        else:
-            return None
-    return None if max_length is None else (max_length, eos)
+    return max_length, eos
 
 
 def serves(logits_processor, stopping_criteria, generation_config, synced_gpus) -> bool:
     """Whether this loop serves the call (the module docstring), else transformers' loop does."""
     processors_served = rounds.regime(generation_config.do_sample, logits_processor) != "processed"
     return (processors_served and not synced_gpus and not generation_config.return_dict_in_generate
-            and _limits(stopping_criteria) is not None)
+            and _limits(stopping_criteria)[0] is not None)
 
 
 def _first_token(logits: torch.Tensor, warpers) -> torch.Tensor:
@@ -76,6 +75,7 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
     earlier call); ``warpers``: the call's (graph-safe) logits processors when it samples, None when greedy.
     Returns ``[1, L + new]``."""
     max_length, eos = _limits(stopping_criteria)
+    rules = rounds.StopRules(stopping_criteria)
     cache = model_kwargs[cache_name]
     candidates.verifier_cuts_at_eos = True  # `rounds.cut` below: no host read of the drafts for transformers 5.17
     ids = input_ids
@@ -84,13 +84,14 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
     logits = model(ids[:, cache.get_seq_length():], **{cache_name: cache}, logits_to_keep=1).logits
     selected = _first_token(logits[0, -1:], warpers).to(ids.device)
     tokens, accepted = rounds.cut(selected.tolist(), eos, max_length - ids.shape[1]), 0
+    stop = rules.first_stop(ids, tokens)
     while True:
         # The kept tokens are a prefix of the target's choices: appended from the device, no upload.
         ids = torch.cat([ids, selected[None, : len(tokens)]], dim=1)
         candidates.update_candidate_strategy(ids, None, min(accepted, len(tokens) - 1))
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))
-        if tokens[-1] in eos or ids.shape[1] >= max_length:
+        if stop or tokens[-1] in eos or ids.shape[1] >= max_length or rules.round_over(ids):
             break
         length = ids.shape[1]
         candidate_ids, q = candidates.get_candidates(ids, is_first_iteration=False)
@@ -106,6 +107,8 @@ def decode(model, candidates, cache_name, input_ids, stopping_criteria, streamer
             sampling.check_finite(logits, "The target's logits at the verified rows")
         accepted, selected = read[0], selected[0].to(ids.device)
         tokens = rounds.cut(read[1:], eos, min(accepted + 1, max_length - length))
+        stop = rules.first_stop(ids, tokens)  # a stop string or criterion inside the round ends it there
+        tokens = tokens[:stop]
         cache.crop(length + len(tokens) - 1 - cache.get_seq_length())  # the target processed all but the last
     if streamer is not None:
         streamer.end()

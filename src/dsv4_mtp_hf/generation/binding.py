@@ -11,7 +11,8 @@ What a call checks before it runs (each refusal names the fix): one sequence (ba
 one beam, a left-padded mask (the pads are stripped, as the batched path does, and put back on the output),
 transformers settings this path does not honour, and a cache handed in: empty, or holding a prefix of the
 input that an earlier call with this drafter left (multi-turn; the drafter resumes from its state then).
-On a graphed target the call decodes through our loop (:mod:`.assisted_loop`) where it serves the call.
+On a graphed target the call decodes through our loop (:mod:`.assisted_loop`) where it serves the call, else
+through transformers' loop (:mod:`.transformers_loop`); both end a round where any stopping criterion fires.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from .. import patching
 from ..compat import cache_kwarg
 from ..target_runtime.features import FeatureTap
 from ..target_runtime.graph import GraphedTargetCache, final_length, graphed
 from ..target_runtime.rollback_cache import RollbackDeepseekV4Cache
-from . import assisted_loop, dspark_session, mtp_session  # noqa: F401  (the drafters' sessions register)
+from . import assisted_loop, dspark_session, mtp_session, speculative, transformers_loop  # noqa: F401
 from . import round as rounds
 from .candidate import DraftCandidateGenerator
 from .drafter import session_class
@@ -76,7 +78,7 @@ class AssistedCall:
         self.session_class = session_class(drafter)
         layers = self.session_class.feature_layers(drafter, target.config)
         self.stats = GenerationStats(num_drafts, auto=auto)
-        self.session = None
+        self.session = self.generator = None
         self.resume = resume
         self._tap = None
         if graphs is not None:  # a graphed target writes the layers' outputs from its graphs
@@ -96,7 +98,8 @@ class AssistedCall:
         return self._take()
 
     def candidates(self, generation_config, logits_processor) -> DraftCandidateGenerator:
-        return DraftCandidateGenerator(self, generation_config, logits_processor)
+        self.generator = DraftCandidateGenerator(self, generation_config, logits_processor)
+        return self.generator
 
     def leave_state(self, cache, sequences: torch.Tensor) -> None:
         """After the call: what the next call on ``cache`` resumes from (the rows the target processed last)."""
@@ -112,23 +115,22 @@ class AssistedCall:
             self._tap.close()
 
 
-def _graphed_decoding(call, name, streamer, synced_gpus):
-    """The ``custom_generate`` callable of an assisted call on a graphed target: our loop
-    (:mod:`.assisted_loop`) where it serves the call, else transformers' own, with generate's
-    prepared arguments either way.  ``streamer`` and ``synced_gpus`` are the call's own (generate
-    hands a callable neither)."""
+def _decoding(call, name, streamer, synced_gpus):
+    """The ``custom_generate`` callable of an assisted call: our loop (:mod:`.assisted_loop`, on a graphed target)
+    where it serves the call, else transformers' own (:mod:`.transformers_loop`), with generate's prepared
+    arguments either way and the call's stopping criteria honoured inside each round.  ``streamer`` and
+    ``synced_gpus`` are the call's own (generate hands a callable neither)."""
 
     def decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
                  **model_kwargs):
-        if assisted_loop.serves(logits_processor, stopping_criteria, generation_config, synced_gpus):
+        on_graphs = isinstance(model_kwargs.get(name), GraphedTargetCache)
+        if on_graphs and assisted_loop.serves(logits_processor, stopping_criteria, generation_config, synced_gpus):
             candidates = call.candidates(generation_config, logits_processor)
             warpers = logits_processor if generation_config.do_sample else None
             return assisted_loop.decode(model, candidates, name, input_ids, stopping_criteria, streamer, warpers,
                                         **model_kwargs)
-        return type(model)._assisted_decoding(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=call.drafter, **model_kwargs,
-        )
+        return transformers_loop.decode(model, call, name, input_ids, logits_processor, stopping_criteria,
+                                        generation_config, synced_gpus, streamer, inputs_tensor, **model_kwargs)
 
     return decoding
 
@@ -281,9 +283,9 @@ def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
     on_graphs = isinstance(cache, GraphedTargetCache)
     threshold = _draft_setting(target, drafter, kwargs, "assistant_confidence_threshold")
     call = AssistedCall(drafter, target, num_drafts, auto, cache.graphs if on_graphs else None, resume, threshold)
-    if on_graphs and kwargs.get("custom_generate") is None:
-        kwargs["custom_generate"] = _graphed_decoding(call, name, kwargs.get("streamer"),
-                                                      bool(kwargs.get("synced_gpus")))
+    if kwargs.get("custom_generate") is None:
+        _stop_strings_as_criteria(target, kwargs)
+        kwargs["custom_generate"] = _decoding(call, name, kwargs.get("streamer"), bool(kwargs.get("synced_gpus")))
     drafter.last_generation_stats = call.stats
     patches = dict(_is_stateful=False, _get_candidate_generator=_candidate_generator(target, call),
                    prepare_inputs_for_generation=_prefill_uncached(target))
@@ -295,6 +297,20 @@ def _assisted_generate(drafter, target, cls_generate, kwargs, ids):
         return out
     finally:
         call.close()
+
+
+def _stop_strings_as_criteria(target, kwargs: dict) -> None:
+    """``stop_strings`` built into the call's stopping criteria here: ``generate`` hands a ``custom_generate``
+    callable no tokenizer, so it could not build them itself (it would refuse the call)."""
+    strings = _setting(target, kwargs, "stop_strings")
+    if strings is None:
+        return
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate` as well.")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
+    kwargs["stopping_criteria"], kwargs["stop_strings"] = criteria, None
 
 
 def _call_cache(target, cache, num_drafts: int, drafter, ids, kwargs):
@@ -337,4 +353,15 @@ def _as_keywords(cls_generate, target, args, kwargs) -> dict:
     return {**bound, **extra}
 
 
+def _batched_call(target, cls_generate, args, kwargs):
+    """``generate(custom_generate=mtp_decoding, ...)``: its ``stop_strings`` built into criteria here, since
+    ``generate`` hands a ``custom_generate`` callable no tokenizer."""
+    if kwargs.get("custom_generate") is not speculative.mtp_decoding:
+        return NotImplemented
+    kwargs = _as_keywords(cls_generate, target, args, kwargs)
+    _stop_strings_as_criteria(target, kwargs)
+    return cls_generate(target, **kwargs)
+
+
 patching.register_generate_handler(_assisted_call, first=True)
+patching.register_generate_handler(_batched_call)

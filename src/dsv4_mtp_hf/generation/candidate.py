@@ -41,6 +41,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.session = call.start_session(regime, logits_processor if regime == "sampled" else None)
         self.draft_length = _length_policy(call)
         self.last_drafted, self.last_input_length = 0, None
+        self.verifying = False  # between handing out candidates and hearing how many were accepted
         self.round_limit = call.num_drafts  # drafts handed to the verifier this round
         self.verifier_cuts_at_eos = VERIFIER_CUTS_AT_EOS  # our own loop (assisted_loop) cuts at EOS too
         # Sampled drafts (the drafter's warped draws): their distributions are checked for NaN once, on the call's first
@@ -57,7 +58,7 @@ class DraftCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         length = input_ids.shape[1]
-        self.last_input_length, self.last_drafted = length, 0
+        self.last_input_length, self.last_drafted, self.verifying = length, 0, True
         if is_first_iteration:
             return input_ids, None
         features = self.call.take_features()
@@ -96,6 +97,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         return candidates, drafts.logits[:, :keep]
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.verifying = False
         # Stateful processors (grammar matchers) roll back to the verified sequence now.
         for processor in self.logits_processor or ():
             sync = getattr(processor, "sync_to_verified", None)

@@ -9,6 +9,8 @@ after them (a correction or a bonus).  This module owns:
 * :func:`regime`: which drafting path a call's settings take (graph-safe or per-position choices);
 * :func:`accept`: greedy or sampled acceptance of a round's drafts, on the device, for B rounds at once;
 * :func:`cut`: the kept tokens cut at the first EOS and at the length budget;
+* :class:`StopRules`: the call's other stopping criteria (stop strings, user criteria) applied to each prefix of
+  the kept tokens, so a round ends exactly where plain decoding would have stopped;
 * :class:`Chooser`: the per-position draft choice when logits processors read the sequence.
 """
 
@@ -17,6 +19,12 @@ from __future__ import annotations
 import numbers
 
 import torch
+from transformers.generation.stopping_criteria import (
+    ConfidenceCriteria,
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+)
 
 from . import sampling
 
@@ -51,6 +59,55 @@ def cut(tokens: list[int], eos: set[int], room: int) -> list[int]:
     tokens = tokens[: max(room, 0)]
     end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokens[:end]
+
+
+# Criteria every driver already applies inside a round (`cut`), and the one that is about time, not a prefix: it
+# is checked once a round, on the whole sequence, as transformers' assisted loop does.
+_CUT_BY_EVERY_DRIVER = (MaxLengthCriteria, EosTokenCriteria)
+_PER_ROUND = (MaxTimeCriteria,)
+
+
+class StopRules:
+    """The call's stopping criteria inside a round.  Plain decoding checks them after every token; a round adds
+    several tokens at once, so each prefix of its kept tokens is checked and the round ends at the first where
+    any criterion fires (stop strings, user ``StoppingCriteria``): the output, and the caches after it, end
+    exactly where plain decoding would have stopped.  A criterion must therefore be a function of the sequence,
+    as transformers' own are.  ``MaxTimeCriteria`` is checked once a round; EOS and max length are cut by
+    :func:`cut`.  ``ConfidenceCriteria`` (an assistant's own rule, reading the step's scores) is refused."""
+
+    def __init__(self, stopping_criteria):
+        criteria = list(stopping_criteria or ())
+        refused = [c for c in criteria if isinstance(c, ConfidenceCriteria)]
+        if refused:
+            raise ValueError("`ConfidenceCriteria` stops an assistant model's own drafting from its step scores; it "
+                             "has no meaning for the target of speculative decoding. Remove it (DSpark's drafts are "
+                             "cut by confidence with `assistant_confidence_threshold=`).")
+        self.per_prefix = [c for c in criteria if type(c) not in _CUT_BY_EVERY_DRIVER + _PER_ROUND]
+        self.per_round = [c for c in criteria if type(c) in _PER_ROUND]
+
+    def __bool__(self) -> bool:
+        return bool(self.per_prefix or self.per_round)
+
+    def first_stop(self, ids: torch.Tensor, tokens: list[int], scores=None) -> int | None:
+        """For a round's kept ``tokens`` after ``ids [1, L]``: the length of the shortest prefix of ``tokens`` on
+        which a per-prefix criterion fires (plain decoding stops there), else None.  ``scores``: what the
+        criteria would be called with after the last token (a per-token tuple is cut to each prefix)."""
+        if not self.per_prefix or not tokens:
+            return None
+        full = torch.cat([ids, torch.as_tensor(tokens, dtype=ids.dtype, device=ids.device).view(1, -1)], dim=1)
+        n, length = len(tokens), ids.shape[1]
+        fired = []
+        for j in range(1, n + 1):
+            cut_scores = scores[: len(scores) - (n - j)] if isinstance(scores, tuple) else scores
+            prefix = full[:, : length + j]
+            fired.append(torch.stack([torch.as_tensor(c(prefix, cut_scores)).reshape(-1)[0].to(ids.device)
+                                      for c in self.per_prefix]).any())
+        hits = torch.stack(fired).tolist()  # one host read for every prefix
+        return next((j + 1 for j, hit in enumerate(hits) if hit), None)
+
+    def round_over(self, ids: torch.Tensor) -> bool:
+        """After a round: whether a per-round criterion (max time) ends the call."""
+        return any(bool(torch.as_tensor(c(ids, None)).any()) for c in self.per_round)
 
 
 def accepted_prefix(drafts: list[int], choices: list[int]) -> int:

@@ -95,8 +95,9 @@ class _Batch:
     """Per-sequence state of one :func:`speculative_generate` call."""
 
     def __init__(self, target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, warpers=None, generator=None,
-                 target_attention="batched"):
+                 target_attention="batched", rules=None):
         self.target, self.mtp, self.k, self.warpers, self.generator = target, mtp, k, warpers, generator
+        self.rules = rules or rounds.StopRules(None)  # stopping criteria checked on each prefix of a round
         self.runner = RaggedTargetForward(target, attention=target_attention)
         self.device = mtp.e_proj.weight.device
         self.prompts = prompts
@@ -130,10 +131,15 @@ class _Batch:
     # -- the target's tokens --------------------------------------------------------------------
     def _accept(self, i: int, tokens: list[int]) -> None:
         tokens = rounds.cut(tokens, self.eos, self.max_new - len(self.new[i]))
+        stop = self.rules.first_stop(torch.tensor([self.tokens[i]]), tokens) if self.rules else None
+        tokens = tokens[:stop]
         self.tokens[i] += tokens
         self.new[i] += tokens
-        if tokens and (tokens[-1] in self.eos or len(self.new[i]) >= self.max_new):
+        if tokens and (stop or tokens[-1] in self.eos or len(self.new[i]) >= self.max_new or self._timed_out(i)):
             self._finish(i)
+
+    def _timed_out(self, i: int) -> bool:
+        return bool(self.rules.per_round) and self.rules.round_over(torch.tensor([self.tokens[i]]))
 
     def _finish(self, i: int) -> None:
         self.done[i] = True
@@ -271,6 +277,7 @@ def speculative_generate(
     prefill_tokens: int = 8192,
     prefill_chunk: int = 2048,
     target_attention: str = "batched",
+    stopping_criteria=None,
 ) -> SpeculativeOutput:
     """Speculative decoding of a batch with the MTP as the draft.
 
@@ -286,8 +293,10 @@ def speculative_generate(
     drafts per round; ``prefill_tokens`` caps the prompt tokens one target forward takes (bounded memory).
     ``target_attention``: ``"batched"`` runs the target's attention once per layer for all sequences
     (:mod:`~dsv4_mtp_hf.target_runtime.batched_state`); ``"per_sequence"`` once per sequence through transformers'
-    own attention and cache (the reference it is tested against).  ``mtp.last_generation_stats`` holds the
-    per-sequence statistics afterwards.
+    own attention and cache (the reference it is tested against).  ``stopping_criteria``: transformers
+    ``StoppingCriteria`` (e.g. ``StopStringCriteria(tokenizer, stop_strings)``), checked per sequence on each
+    prefix of a round's tokens, so each sequence ends where ``generate`` would stop it.
+    ``mtp.last_generation_stats`` holds the per-sequence statistics afterwards.
     """
     warpers = None
     if do_sample:
@@ -296,11 +305,11 @@ def speculative_generate(
             ("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))))
     return _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_assistant_tokens,
                          _eos_ids(target, eos_token_id), pad_token_id, warpers, generator, prefill_tokens,
-                         prefill_chunk, target_attention)
+                         prefill_chunk, target_attention, rounds.StopRules(stopping_criteria))
 
 
 def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_assistant_tokens, eos, pad_token_id,
-                  warpers, generator, prefill_tokens, prefill_chunk, target_attention) -> SpeculativeOutput:
+                  warpers, generator, prefill_tokens, prefill_chunk, target_attention, rules) -> SpeculativeOutput:
     """:func:`speculative_generate` with its settings resolved (``warpers``: None for greedy)."""
     if getattr(mtp, "target_model", None) is not target:
         raise ValueError("the MTP is not bound to this target: call `mtp.bind(target)` first.")
@@ -316,7 +325,8 @@ def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_as
     for i, p in enumerate(prompts):
         if int(p.min()) < 0 or int(p.max()) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}).")
-    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, warpers, generator, target_attention)
+    st = _Batch(target, mtp, prompts, k, max_new_tokens, eos, prefill_chunk, warpers, generator, target_attention,
+                rules)
     mtp.last_generation_stats = st.stats
     for group in _prefill_groups(prompts, prefill_tokens):
         _prefill(st, group)
@@ -399,8 +409,9 @@ def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generati
     ``generate`` prepares the inputs and the generation config (``max_new_tokens``, EOS, padding,
     ``num_assistant_tokens``, ``do_sample`` and its warpers) and hands them here; the result has
     ``generate``'s layout: the (padded) prompt rows, then each sequence's new tokens, padded with
-    ``pad_token_id``.  Processors other than temperature/top-k/top-p/min-p, stopping criteria other than
-    EOS and length, streamers and dict outputs raise.  ``mtp.last_generation_stats``: per sequence."""
+    ``pad_token_id``.  Stopping criteria (``stop_strings`` with ``tokenizer=``, user criteria) end each
+    sequence where ``generate`` would; processors other than temperature/top-k/top-p/min-p, streamers and dict
+    outputs raise.  ``mtp.last_generation_stats``: per sequence."""
     if mtp is None:
         raise ValueError("pass the draft: `generate(..., custom_generate=mtp_decoding, mtp=mtp)`.")
     if not sampling.graph_safe(logits_processor) or (logits_processor and not generation_config.do_sample):
@@ -408,20 +419,14 @@ def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generati
                  not generation_config.do_sample]
         raise ValueError(f"MTP batched decoding applies the sampling warpers temperature/top-k/top-p/min-p only; "
                          f"remove {extra} (or use `generate(assistant_model=mtp)` one sequence at a time).")
-    extra = [type(c).__name__ for c in stopping_criteria if type(c).__name__ not in _STOPPERS]
-    if extra:
-        raise ValueError(f"MTP batched decoding stops at EOS and max length only; remove {extra}.")
     if streamer is not None or synced_gpus or generation_config.return_dict_in_generate:
         raise ValueError("MTP batched decoding supports no streamer, synced_gpus or return_dict_in_generate.")
     out = _decode_batch(
         model, mtp, input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1],
         _passed_num_assistant_tokens(model, generation_config), _eos_ids(model, generation_config.eos_token_id),
         generation_config.pad_token_id, logits_processor if generation_config.do_sample else None, None, 8192, 2048,
-        target_attention)
+        target_attention, rounds.StopRules(stopping_criteria))
     return out.sequences.to(input_ids.device)
-
-
-_STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
 
 
 def _passed_num_assistant_tokens(model, generation_config):
