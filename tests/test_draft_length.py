@@ -160,3 +160,21 @@ def test_auto_k_on_cuda_replays_the_round_graphs_and_stays_exact():
     d = session.drafter
     assert d is not None and d.use_graph and d.round_graphs and d.num_drafts == dl.AUTO_MAX_DRAFTS
     assert len([k for k in mtp.last_generation_stats.draft_lengths if k]) == mtp.last_generation_stats.rounds
+
+
+def test_untimed_policies_choose_from_acceptance_alone():
+    """Sampled calls' policies (``timed=False``) cost rounds by ``modeled_cost``: the clock is never read, hopeless
+    drafts still give way to plain steps, drafts that land are kept."""
+    for landing, plain_after in ((False, True), (True, False)):
+        for policy in (AutoDraftLength(3, timed=False), dl.ConfidenceLength(5, timed=False)):
+            policy._clock = lambda: 0.0  # any value: the times recorded are modeled
+            for _ in range(60):
+                if isinstance(policy, AutoDraftLength):
+                    k = policy.choose()
+                else:
+                    k = policy.choose([0.9] * 5) if policy.draft_now() else 0
+                if k:
+                    policy.observe(k, k if landing else 0)
+            plain = policy.choices[-20:].count(0)
+            assert (plain >= 18) if plain_after else plain == 0, policy.choices
+            assert all(t == dl.modeled_cost(k) for k, ts in policy.times.items() for t in ts)

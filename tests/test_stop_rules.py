@@ -1,7 +1,7 @@
 """Stopping criteria inside a round (generation/round.py ``StopRules``): a stop string, a user ``StoppingCriteria``
 or an EOS that fires on a drafted token ends the output exactly where plain ``generate`` stops, for both drafters
 and every driver (transformers' loop, ours on a graphed target, batches), whether the stop falls on draft 1, a
-middle draft, the last draft or the bonus token; the caches end with the output, so a later turn resumes."""
+middle draft, the last draft or the bonus token; the caches end with the output, so a later turn resumes.  And seeded sampled calls repeat under "auto"."""
 
 import pytest
 import torch
@@ -240,3 +240,21 @@ def test_criteria_that_cannot_be_checked_per_prefix_are_refused():
                         stopping_criteria=StoppingCriteriaList([ConfidenceCriteria(0.5)]), **GREEDY)
     with pytest.raises(ValueError, match="tokenizer"):
         target.generate(prompt(1), assistant_model=mtp, max_new_tokens=4, stop_strings=["ab"], **GREEDY)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_seeded_sampled_calls_repeat_under_auto_whatever_the_round_times(drafter, monkeypatch):
+    """"auto" chooses from timings in greedy calls; a sampled call's choices must not follow timing noise, or
+    its draws (and output) change from one run to the next under the same seed.  Round times here are noise."""
+    from dsv4_mtp_hf.generation import draft_length
+
+    target, draft = _pair(drafter)
+    noise = iter(torch.rand(100_000, generator=torch.Generator().manual_seed(0)).cumsum(0).tolist())
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: next(noise))
+    outs, lengths = [], []
+    for _ in range(3):
+        torch.manual_seed(123)
+        outs.append(target.generate(prompt(12), assistant_model=draft, num_assistant_tokens="auto", max_new_tokens=40,
+                                    do_sample=True, temperature=0.8, eos_token_id=None))
+        lengths.append(draft.last_generation_stats.draft_lengths)
+    assert all(torch.equal(o, outs[0]) for o in outs) and lengths[0] == lengths[1] == lengths[2]

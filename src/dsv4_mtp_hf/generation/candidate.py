@@ -39,7 +39,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         regime = rounds.regime(do_sample, logits_processor)
         self.chooser = rounds.Chooser(logits_processor, do_sample, self.eos, call.stats)
         self.session = call.start_session(regime, logits_processor if regime == "sampled" else None)
-        self.draft_length = _length_policy(call)
+        self.draft_length = _length_policy(call, timed=not do_sample)
         self.last_drafted, self.last_input_length = 0, None
         self.verifying = False  # between handing out candidates and hearing how many were accepted
         self.round_limit = call.num_drafts  # drafts handed to the verifier this round
@@ -111,10 +111,11 @@ class DraftCandidateGenerator(CandidateGenerator):
             self.call.stats.draft_lengths.append(self.round_limit)
 
 
-def _length_policy(call):
+def _length_policy(call, timed: bool):
     """How many drafts the verifier gets each round: all K (None); ``"auto"`` for a drafter without
     confidences: K from this call's acceptance and round times; with confidences (``"auto"`` or
-    ``assistant_confidence_threshold``): a prefix of the block chosen from them."""
+    ``assistant_confidence_threshold``): a prefix of the block chosen from them.  ``timed=False`` (sampled
+    calls): modeled round costs in place of times, so that a seeded call repeats (draft_length.py)."""
     if call.session_class.confidence_head and (call.auto or call.confidence_threshold is not None):
-        return ConfidenceLength(call.num_drafts, call.confidence_threshold)
-    return AutoDraftLength(call.num_drafts) if call.auto else None
+        return ConfidenceLength(call.num_drafts, call.confidence_threshold, timed)
+    return AutoDraftLength(call.num_drafts, timed) if call.auto else None

@@ -16,6 +16,11 @@ and drafts nothing while plain steps pay more. It then probes
 (drafts the best K once) after ``PROBE_FIRST`` plain rounds, doubling the wait after every probe that still
 says "plain" (at most ``PROBE_MAX``), so a call whose drafts all miss runs close to plain ``generate``.
 A probe starts the acceptance counts afresh, so a call whose acceptance comes back returns to drafting.
+
+Sampled calls do not time their rounds: a choice driven by timing noise would change the rounds, and with them
+the random draws, so a seeded call would not repeat.  Their rounds cost what :func:`modeled_cost` says (a plain
+step 1, a drafting round ``1 + PRIOR_DRAFT + PRIOR_SLOPE K``): every choice then follows from the call's
+acceptance alone.  Greedy calls time their rounds (their output is the same whatever K is chosen).
 DSpark's ``"auto"`` (:class:`ConfidenceLength`) weighs plain steps the same way before each block, with the
 tokens its drafting rounds measurably yielded in place of ``E(K)``: its confidences come only after the block
 is drafted, when the drafting is already paid for.
@@ -30,6 +35,9 @@ import time
 # Per extra draft, the round's cost relative to a plain step, before any is measured.
 # BENCHMARKS.md: a 4-row verify costs ~1.1-1.2x a 1-row step on a 5-layer V4-Flash-shaped target.
 PRIOR_SLOPE = 0.07
+# A drafting round's drafter work relative to a plain step, for sampled calls (untimed): between the 12- and the
+# 43-layer targets' measurements in BENCHMARKS.md.
+PRIOR_DRAFT = 0.3
 EXPLORE_EVERY = 8
 # The MTP's drafts per round with "auto" (its graphed round drafts them all, the verifier gets a prefix): the
 # published K.  A 4th draft cost ~7% of a round for none accepted at the published acceptance (BENCHMARKS.md, run K).
@@ -41,14 +49,20 @@ DOUBT = 2.0  # expected tokens per round below which plain steps are measured an
 PROBE_FIRST, PROBE_MAX = 16, 256  # plain rounds before a probe, and the most the doubling waits
 
 
+def modeled_cost(k: int) -> float:
+    """A round's cost relative to a plain step, for untimed (sampled) calls: ``k`` verified drafts, 0 a plain step."""
+    return 1.0 + (PRIOR_DRAFT + PRIOR_SLOPE * k if k else 0.0)
+
+
 class _RoundCost:
     """Each round's wall time (from one round's choice to the next) recorded under the number of drafts it
-    verified, and the fitted relative cost ``r`` of one more verified draft."""
+    verified, and the fitted relative cost ``r`` of one more verified draft.  ``timed=False``: each round's
+    :func:`modeled_cost` instead of its wall time (sampled calls: the module docstring)."""
 
-    def __init__(self, max_k: int):
+    def __init__(self, max_k: int, timed: bool = True):
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}.")
-        self.max_k = max_k
+        self.max_k, self.timed = max_k, timed
         self.times: dict[int, list[float]] = {}  # K -> round wall times (s)
         self.choices: list[int] = []  # the K of every round
         self._pending = None  # (K, start time) of the round in flight
@@ -86,7 +100,7 @@ class _RoundCost:
         now = self._clock()
         if self._pending is not None:
             pk, start = self._pending
-            self.times.setdefault(pk, []).append(now - start)
+            self.times.setdefault(pk, []).append(now - start if self.timed else modeled_cost(pk))
         self.choices.append(k)
         self._pending = (k, now)
         return k
@@ -145,8 +159,8 @@ class ConfidenceLength(_RoundCost):
     sampling stays exact (design §7b).  Before drafting, ``"auto"`` asks :meth:`draft_now` whether a block pays at
     all (the module docstring's plain steps)."""
 
-    def __init__(self, max_k: int, threshold: float | None = None):
-        super().__init__(max_k)
+    def __init__(self, max_k: int, threshold: float | None = None, timed: bool = True):
+        super().__init__(max_k, timed)
         if threshold is not None and (not isinstance(threshold, numbers.Real) or isinstance(threshold, bool)
                                       or not 0.0 <= threshold <= 1.0):
             raise ValueError(f"`assistant_confidence_threshold` must be a number in [0, 1], got {threshold!r}.")
@@ -206,8 +220,8 @@ class ConfidenceLength(_RoundCost):
 class AutoDraftLength(_RoundCost):
     """``num_assistant_tokens="auto"`` for a drafter without confidences (the MTP): the module docstring."""
 
-    def __init__(self, max_k: int):
-        super().__init__(max_k)
+    def __init__(self, max_k: int, timed: bool = True):
+        super().__init__(max_k, timed)
         self.offered = [0] * max_k  # rounds that reached draft j with drafts 1..j-1 accepted
         self.taken = [0] * max_k  # ... and accepted draft j
 

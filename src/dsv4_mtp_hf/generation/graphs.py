@@ -15,6 +15,7 @@ def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
     outputs)``.  A failing compiled warm-up raises an error naming ``what`` and the way out (``compile=False``)."""
     lengths = [lengths] if isinstance(lengths, torch.Tensor) else list(lengths)
     saved = [t.clone() for t in lengths]
+    rng = torch.cuda.get_rng_state()  # warm-ups draw too: a seeded call must not depend on whether it captured
     bar = progress(desc=f"{'compiling and ' if compiled else ''}capturing {what}", total=warmup + 1, unit="run")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -37,6 +38,7 @@ def record_graph(fn, lengths, warmup: int, what: str, compiled: bool):
     with torch.cuda.graph(graph):
         out = fn()
     _restore(lengths, saved)
+    torch.cuda.set_rng_state(rng)
     bar.update()
     bar.close()
     return graph, out
