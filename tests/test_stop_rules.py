@@ -1,7 +1,8 @@
 """Stopping criteria inside a round (generation/round.py ``StopRules``): a stop string, a user ``StoppingCriteria``
 or an EOS that fires on a drafted token ends the output exactly where plain ``generate`` stops, for both drafters
 and every driver (transformers' loop, ours on a graphed target, batches), whether the stop falls on draft 1, a
-middle draft, the last draft or the bonus token; the caches end with the output, so a later turn resumes.  And seeded sampled calls repeat under "auto"."""
+middle draft, the last draft or the bonus token; the caches end with the output, so a later turn resumes.  And
+seeded sampled calls repeat under "auto"."""
 
 import pytest
 import torch
