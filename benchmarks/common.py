@@ -154,11 +154,14 @@ def copy_bandwidth() -> float:
 
 
 def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
-                       packed_experts: bool = False, fp8_linears: bool = False):
+                       packed_experts: bool = False, fp8_linears: bool = False, experts: int | None = None):
     """A random V4-Flash-shaped target (``layers`` decoder layers over the visible GPUs) and its bound MTP.
     ``packed_experts``: the routed experts random MXFP4 from the start (``DeepseekV4PackedExpertsForCausalLM``,
     as ``from_pretrained`` of a release builds it), never allocated in bf16: 5 layers fit an 80 GB GPU.
-    ``fp8_linears``: the projections a release stores in FP8 kept so (``quantize_fp8_linears``)."""
+    ``fp8_linears``: the projections a release stores in FP8 kept so (``quantize_fp8_linears``).
+    ``experts``: routed experts per layer (V4-Flash: 256).  At batch 1 a token reads its top-6 whatever the
+    total, so fewer experts keep a step's bytes while 43 layers fit one GPU (depth-faithful); a verify of
+    several rows overlaps more with fewer experts (:func:`distinct_experts`)."""
     from accelerate import dispatch_model
 
     from dsv4_mtp_hf import DeepseekV4PackedExpertsForCausalLM
@@ -170,6 +173,8 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
                   q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=16, sliding_window=16,
                   index_n_heads=8, index_head_dim=32, partial_rotary_factor=0.25,
                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
+    if experts is not None:
+        kw["n_routed_experts"] = experts
     tc = DeepseekV4Config(**kw)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # bf16 weights; modules transformers keeps in fp32 stay fp32
@@ -201,6 +206,27 @@ def build_split_target(layers: int, tiny: bool, gen: torch.Generator, dtype: tor
                          target.lm_head.weight.device, gen)
     mtp.bind(target)
     return target, mtp, device_map
+
+
+def distinct_experts(total: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts a forward of ``rows`` tokens reads per layer (uniform random routing)."""
+    return total * (1 - (1 - top_k / total) ** rows)
+
+
+def target_step_bytes(target, rows: int = 1) -> float:
+    """Bytes a forward of ``rows`` tokens reads: every parameter and buffer once (the embedding: its rows), the
+    routed experts the rows touch (:func:`distinct_experts` per layer).  The byte floor of a step is this at copy
+    bandwidth: an estimate from the model's own tensors, not a measurement."""
+    from dsv4_mtp_hf.target_runtime.experts import expert_bytes
+
+    c = target.config
+    embed = target.get_input_embeddings().weight
+    every = sum(t.numel() * t.element_size() for t in list(target.parameters()) + list(target.buffers()))
+    routed = expert_bytes(target)
+    dense = every - routed - embed.numel() * embed.element_size() + rows * embed.shape[1] * embed.element_size()
+    per_layer = routed / c.num_hidden_layers
+    return dense + c.num_hidden_layers * per_layer * distinct_experts(c.n_routed_experts, c.num_experts_per_tok,
+                                                                       rows) / c.n_routed_experts
 
 
 def sync():

@@ -46,7 +46,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_split_target, copy_bandwidth, left_pad, random_drafter  # noqa: E402
+from common import (  # noqa: E402
+    build_split_target, copy_bandwidth, distinct_experts, left_pad, random_drafter, target_step_bytes,
+)
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
 from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
@@ -271,13 +273,14 @@ def assisted_cases(target, drafters, ctl, args, rows, checks, label):
     checks[f"{label}: plain output is the controlled chain"] = plain[0, args.prompt:].tolist() == chain(
         int(prompt[0, -1]), n, ctl.vocab)
     # prompt_ms: a whole generate of one token (the prompt's forward and generate's own setup)
-    rows.append(dict(label=label, drafter="-", case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
-                     round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0,
-                     prompt_ms=1e3 * t_one))
     bandwidth = None
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             bandwidth = copy_bandwidth()  # read + write bytes per second
+    floor = None if bandwidth is None else 1e3 * target_step_bytes(target) / bandwidth
+    rows.append(dict(label=label, drafter="-", case="plain", k=0, tok_s=n / t_plain, speedup=1.0, tok_round=1.0,
+                     round_ms=1e3 * step, target_ms=None, mtp_ms=None, glue_ms=None, x_plain_step=1.0,
+                     prompt_ms=1e3 * t_one, floor_ms=floor, x_floor=None if floor is None else 1e3 * step / floor))
     with controlled_drafts(ctl):
         for name, drafter in drafters.items():
             graphs = graphed(target)
@@ -361,7 +364,7 @@ def draft_floor_ms(drafter, k, bandwidth) -> float | None:
         total = (dense_layer + rest + len(layers) * distinct(g) * per_expert + head
                  + g * _bytes(drafter.markov_proj.parameters()))
     else:
-        k = 4 if k == "auto" else k
+        k = session_class(drafter).auto_num_drafts(drafter) if k == "auto" else k
         other = _bytes(p for n, p in drafter.named_parameters() if not n.startswith("block."))
         forward = lambda t: dense_layer + other + distinct(t) * per_expert + head  # noqa: E731
         total = forward(2) + (k - 1) * forward(1)
@@ -569,6 +572,9 @@ def main():
     p.add_argument("--fp4-experts", action="store_true",
                    help="the target's routed experts random packed MXFP4 (DeepseekV4PackedExpertsForCausalLM) instead of "
                         "transformers' bf16")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per layer (V4-Flash: 256); fewer keep a token's bytes (it reads its top-6 "
+                        "whatever the total) so that 43 layers fit one GPU: depth-faithful")
     p.add_argument("--fp8-linears", action="store_true",
                    help="the target's projections FP8 + block scales as the release stores them (quantize_fp8_linears)")
     p.add_argument("--graph-target", action="store_true",
@@ -596,12 +602,15 @@ def main():
     print(f"seed={SEED}", flush=True)
     rows, checks, profiles = [], {}, []
     for layers in [int(x) for x in args.layers.split(",")]:
-        label = f"{layers} layers" + (", FP4 experts" if args.fp4_experts else "") + (
+        label = f"{layers} layers" + (f", {args.experts} experts" if args.experts else "") + (
+            ", FP4 experts" if args.fp4_experts else "") + (
             ", FP8 linears" if args.fp8_linears else "") + (
             ", graphed" if args.graph_target else "") + (", sampled" if args.sample else "")
         with torch.no_grad():
             target, mtp, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
-                                                packed_experts=args.fp4_experts, fp8_linears=args.fp8_linears)
+                                                packed_experts=args.fp4_experts, fp8_linears=args.fp8_linears,
+                                                experts=args.experts)
+            print(expert_overlap(target.config, 6), flush=True)
             drafters = {}
             for name in args.drafters:  # measured in the order given
                 drafters[name] = mtp if name == "mtp" else build_dspark(target, torch.Generator().manual_seed(SEED + 2))
@@ -625,6 +634,15 @@ def main():
     if profiles:
         print("\n".join(["", "host profile (torch.profiler, one call each):"] + profiles))
     report(rows, checks, args.project)
+
+
+def expert_overlap(config, rows: int) -> str:
+    """Expected distinct routed experts per layer for 1..``rows`` verified rows: this target against V4-Flash (256).
+    Fewer experts overlap more across rows, so a depth-faithful target's verify reads less than V4-Flash's."""
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    ours = ", ".join(f"{distinct_experts(e, k, t):.1f}" for t in range(1, rows + 1))
+    flash = ", ".join(f"{distinct_experts(256, k, t):.1f}" for t in range(1, rows + 1))
+    return f"distinct experts per layer for 1..{rows} verified rows: {e} experts {ours}; V4-Flash (256) {flash}"
 
 
 def project(rows, layers: int) -> list[str]:
@@ -680,6 +698,10 @@ def report(rows, checks, layers: int) -> None:
         for r in batched:
             print(f"{r['label']:<10} {r['case']:<17} {r['b']:>3} {r['k']:>2} {r['tok_s']:>8.1f} {r['ragged_tok_s']:>12.1f} "
                   f"{r['padded_tok_s']:>12.1f} {r['vs_ragged']:>8.2f}x {r['vs_padded']:>8.2f}x {r['tok_round']:>7.2f}")
+    for r in rows:
+        if r.get("case") == "plain" and r.get("floor_ms"):
+            print(f"{r['label']}: plain step {r['round_ms']:.2f} ms against its byte floor {r['floor_ms']:.2f} ms "
+                  f"({r['x_floor']:.2f}x; {r['tok_s']:.1f} tok/s)")
     lines = project(rows, layers)
     if lines:
         print()

@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_split_target, sync, wall  # noqa: E402
+from common import build_split_target, copy_bandwidth, sync, target_step_bytes, wall  # noqa: E402
 import peer_fp8  # noqa: E402
 
 from dsv4_mtp_hf import fp4, graph_target, pack_fp4_experts, ungraph_target  # noqa: E402
@@ -136,10 +136,22 @@ def measure(target, prompt, args, label: str, kind: str) -> dict:
         replay = lambda: [g.graph.replay() for g in graphs._graphs[1]]  # noqa: E731
         replay_ms, trace = gpu_ms(replay, args.iters), kernel_trace(replay)
         kernels = len(trace) or None
+    floor_ms = None if kind == "peer" or not torch.cuda.is_available() else 1e3 * target_step_bytes(target) / bandwidth()
     return dict(label=label, kind=kind, step_ms=1e3 * (t_n - t_1) / (n - 1), moe_ms=moe_t[1], moe_t=moe_t,
+                floor_ms=floor_ms,
                 expert_gb=routed_expert_bytes(target) / 1e9, param_gb=peer_fp8.tensor_bytes(target) / 1e9,
                 fp8_linear_gb=fp8_linear_bytes(target) / 1e9, peak_gb=peak_gb(), replay_ms=replay_ms,
                 kernels=kernels, trace=trace, tokens=tokens, logits=logits, moe_out=out)
+
+
+_BANDWIDTH = []
+
+
+def bandwidth() -> float:
+    """The GPU's copy bandwidth (bytes/s read + written), measured once per run."""
+    if not _BANDWIDTH:
+        _BANDWIDTH.append(copy_bandwidth())
+    return _BANDWIDTH[0]
 
 
 def kernel_trace(fn) -> list[tuple[str, float, float]]:
@@ -209,7 +221,7 @@ def check_graphed_step(target, graphs, prompt, layers: int, checks: dict) -> Non
 def run_ours(layers: int, args, rows: list, checks: dict) -> None:
     """transformers' bf16-experts target (unless --no-bf16), the same packed, then also graphed."""
     target, _, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
-                                      packed_experts=args.no_bf16)
+                                      packed_experts=args.no_bf16, experts=args.experts)
     dev = target.get_input_embeddings().weight.device
     prompt = make_prompt(target.config.vocab_size, dev, args)
     bf16 = None
@@ -321,6 +333,8 @@ def main():
     p.add_argument("--peer-autotune-trials", type=int, default=None,
                    help="cap the peer's Bayesian autotune (faster warm-up, maybe slower kernels); default: as a user")
     p.add_argument("--no-bf16", action="store_true", help="skip transformers' bf16-experts target")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per layer (V4-Flash: 256); fewer keep a token's bytes and fit more layers")
     args = p.parse_args()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(f"seed={SEED}, {gpu}, torch {torch.__version__}, transformers {peer_fp8.transformers_version}", flush=True)
@@ -351,13 +365,14 @@ def fmt(v, spec: str = ".2f") -> str:
 
 
 def report(rows, checks, project: int) -> None:
-    print("\n| layers | target | decode step ms | graph replay ms | kernels/layer | MoE block ms (T="
+    print("\n| layers | target | decode step ms | x byte floor | graph replay ms | kernels/layer | MoE block ms (T="
           + "/".join(map(str, MOE_ROWS)) + ") | routed experts GB | FP8 linears GB | all weights GB | peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         moe = " / ".join(f"{r['moe_t'][t]:.3f}" for t in MOE_ROWS)
         per_layer_k = None if not r.get("kernels") else r["kernels"] / r["layers"]
-        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {fmt(r.get('replay_ms'), '.3f')} | "
+        x_floor = None if not r.get("floor_ms") else r["step_ms"] / r["floor_ms"]
+        print(f"| {r['layers']} | {r['label']} | {r['step_ms']:.2f} | {fmt(x_floor)} | {fmt(r.get('replay_ms'), '.3f')} | "
               f"{fmt(per_layer_k, '.0f')} | {moe} | {r['expert_gb']:.2f} | {fmt(r.get('fp8_linear_gb'))} | "
               f"{r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
     slopes = per_layer(rows, project)
