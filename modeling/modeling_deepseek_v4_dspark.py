@@ -1,11 +1,16 @@
 """Hub remote code for DeepSeek-V4 DSpark drafts: the model.
 
-Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-(`pip install` the dsv4-mtp-hf source tree or its git repository); this file only lets
+Thin by design: the implementation lives in the `dsv4_mtp_hf` package; this file only lets
 `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` find it.
-Bind the loaded draft to its target with `drafter.bind(target)`, or load it with `target_model=target`.
+Bind the loaded drafter to its target with `drafter.bind(target)`, or load it with `target_model=target`.
 """
 
-from dsv4_mtp_hf import DeepseekV4DSparkForCausalLM
+try:
+    from dsv4_mtp_hf import DeepseekV4DSparkForCausalLM
+except ModuleNotFoundError as err:
+    if err.name != "dsv4_mtp_hf":
+        raise
+    raise ImportError("This DeepSeek-V4 DSpark drafter's code is the dsv4_mtp_hf package: "
+                      "pip install <your clone of the dsv4-mtp-hf repository> (the package is not on PyPI)") from err
 
 __all__ = ["DeepseekV4DSparkForCausalLM"]

@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -530,6 +532,19 @@ def test_remote_code_files_are_the_repository_modeling_files():
     assert set(REMOTE_CODE_FILES) == {p.name for p in (REPO / "modeling").glob("*.py")}
     for name, text in REMOTE_CODE_FILES.items():
         assert (REPO / "modeling" / name).read_text() == text
+
+
+def test_remote_code_without_the_package_says_how_to_install_it(tmp_path):
+    """transformers would say ``pip install dsv4_mtp_hf`` (no index holds it): the files say the one instruction."""
+    from dsv4_mtp_hf.loading.remote_code import INSTALL, REMOTE_CODE_FILES
+
+    for name, text in REMOTE_CODE_FILES.items():
+        script = (f"import sys\nsys.modules['dsv4_mtp_hf'] = None  # not installed\n"
+                  f"try:\n    exec(compile({text!r}, {name!r}, 'exec'))\nexcept ImportError as e:\n    print(e)\n")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+        assert INSTALL in out, (name, out)
+    for doc in (REPO / "README.md", REPO / "src" / "dsv4_mtp_hf" / "demo_pair" / "mtp" / "modeling_deepseek_v4_mtp.py"):
+        assert INSTALL in " ".join(doc.read_text().split()), doc
 
 
 def test_v4_flash_tensor_table_matches_the_flash_sized_model():

@@ -259,3 +259,25 @@ def test_seeded_sampled_calls_repeat_under_auto_whatever_the_round_times(drafter
                                     do_sample=True, temperature=0.8, eos_token_id=None))
         lengths.append(draft.last_generation_stats.draft_lengths)
     assert all(torch.equal(o, outs[0]) for o in outs) and lengths[0] == lengths[1] == lengths[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_seeded_sampled_calls_repeat_on_cuda_when_the_first_captures_the_graphs(drafter):
+    """The first call on CUDA warms up and captures the drafter's graphs (draws included); the next only replays.
+    The seed must give both the same output, with a fixed K and with "auto", stop strings and criteria too."""
+    if drafter == "mtp":
+        target, draft = tiny_pair(seed=3, target_overrides=dict(vocab_size=VOCAB))
+    else:
+        target, draft = tiny_dspark_pair(seed=3, vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=256)
+    target, draft = target.cuda(), draft.cuda()
+    ids = prompt(13).cuda()
+    for num in (K[drafter], "auto"):
+        outs = []
+        for _ in range(3):
+            torch.manual_seed(5)
+            outs.append(target.generate(ids, assistant_model=draft, num_assistant_tokens=num, max_new_tokens=48,
+                                        do_sample=True, top_k=50, eos_token_id=None,
+                                        stopping_criteria=StoppingCriteriaList([AfterNew(40)])))
+        assert all(torch.equal(o, outs[0]) for o in outs), num
+        assert outs[0].shape[1] == PROMPT_LEN + 40

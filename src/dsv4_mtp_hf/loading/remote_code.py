@@ -13,38 +13,35 @@ from pathlib import Path
 
 from .save_guard import check_save_directory
 
-INSTALL = "`pip install` the dsv4-mtp-hf source tree or its git repository"
+# The one install instruction: the README, these files and every error that asks for the package say this.
+INSTALL = "pip install <your clone of the dsv4-mtp-hf repository> (the package is not on PyPI)"
 
 
 def _files(kind: str, config_class: str, model_class: str, module: str) -> dict[str, str]:
-    """The two thin files of one drafter (``kind`` its words in the docstrings)."""
-    return {
-        f"configuration_deepseek_v4_{module}.py": f'''\
-"""Hub remote code for DeepSeek-V4 {kind} drafts: the configuration.
+    """The two thin files of one drafter (``kind`` its words in the docstrings).  The import sits in a ``try``:
+    transformers then leaves it to the file, so a missing package is reported with our install instruction
+    instead of transformers' guess (``pip install dsv4_mtp_hf``, a name no index holds)."""
+    return {name: f'''\
+"""Hub remote code for DeepSeek-V4 {kind} drafts: the {what}.
 
-Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-({INSTALL}); this file only lets
-`AutoConfig.from_pretrained(repo, trust_remote_code=True)` find it.
+Thin by design: the implementation lives in the `dsv4_mtp_hf` package; this file only lets
+`{auto}.from_pretrained(repo, trust_remote_code=True)` find it.{bind}
 """
 
-from dsv4_mtp_hf.configuration import {config_class}
+try:
+    from dsv4_mtp_hf import {cls}
+except ModuleNotFoundError as err:
+    if err.name != "dsv4_mtp_hf":
+        raise
+    raise ImportError("This DeepSeek-V4 {kind} drafter's code is the dsv4_mtp_hf package: "
+                      "{INSTALL}") from err
 
-__all__ = ["{config_class}"]
-''',
-        f"modeling_deepseek_v4_{module}.py": f'''\
-"""Hub remote code for DeepSeek-V4 {kind} drafts: the model.
-
-Thin by design: the implementation lives in the `dsv4_mtp_hf` package
-({INSTALL}); this file only lets
-`AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` find it.
-Bind the loaded draft to its target with `drafter.bind(target)`, or load it with `target_model=target`.
-"""
-
-from dsv4_mtp_hf import {model_class}
-
-__all__ = ["{model_class}"]
-''',
-    }
+__all__ = ["{cls}"]
+''' for name, what, auto, cls, bind in (
+        (f"configuration_deepseek_v4_{module}.py", "configuration", "AutoConfig", config_class, ""),
+        (f"modeling_deepseek_v4_{module}.py", "model", "AutoModelForCausalLM", model_class,
+         "\nBind the loaded drafter to its target with `drafter.bind(target)`, or load it with `target_model=target`."),
+    )}
 
 
 # per drafter model type: (the remote-code files, the config's auto_map)
