@@ -10,7 +10,7 @@ try:
 except ModuleNotFoundError as err:
     if err.name != "dsv4_mtp_hf":
         raise
-    raise ImportError("This DeepSeek-V4 DSpark drafter's code is the dsv4_mtp_hf package: "
-                      "pip install <your clone of the dsv4-mtp-hf repository> (the package is not on PyPI)") from err
+    raise ImportError("This DeepSeek-V4 DSpark drafter's code is the dsv4_mtp_hf package (not on PyPI): "
+                      "pip install <path to a clone of the dsv4-mtp-hf repository>") from err
 
 __all__ = ["DeepseekV4DSparkForCausalLM"]

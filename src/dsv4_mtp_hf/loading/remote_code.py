@@ -14,7 +14,7 @@ from pathlib import Path
 from .save_guard import check_save_directory
 
 # The one install instruction: the README, these files and every error that asks for the package say this.
-INSTALL = "pip install <your clone of the dsv4-mtp-hf repository> (the package is not on PyPI)"
+INSTALL = "pip install <path to a clone of the dsv4-mtp-hf repository>"
 
 
 def _files(kind: str, config_class: str, model_class: str, module: str) -> dict[str, str]:
@@ -33,7 +33,7 @@ try:
 except ModuleNotFoundError as err:
     if err.name != "dsv4_mtp_hf":
         raise
-    raise ImportError("This DeepSeek-V4 {kind} drafter's code is the dsv4_mtp_hf package: "
+    raise ImportError("This DeepSeek-V4 {kind} drafter's code is the dsv4_mtp_hf package (not on PyPI): "
                       "{INSTALL}") from err
 
 __all__ = ["{cls}"]
