@@ -218,7 +218,20 @@ def check_graphed_step(target, graphs, prompt, layers: int, checks: dict) -> Non
           f"{float((got - want).norm() / want.norm()):.2e}")
 
 
-def run_ours(layers: int, args, rows: list, checks: dict) -> None:
+@torch.no_grad()
+def context_replay_ms(target, prompt, context: int, args) -> float:
+    """The graphed 1-row decode step at a context of ``context`` tokens (FP8 projections, as the last row): the
+    fixed-shape step attends every entry its capacity holds (masked), so its cost is the capacity's, whatever the
+    length reached; the step is captured at ``max_length=context`` and replayed back to back."""
+    ungraph_target(target)
+    graphs = graph_target(target, max_length=context)
+    target.generate(prompt, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ms = gpu_ms(lambda: [g.graph.replay() for g in graphs._graphs[1]], args.iters) if 1 in graphs._graphs else None
+    ungraph_target(target)
+    return ms  # None without CUDA graphs (CPU)
+
+
+def run_ours(layers: int, args, rows: list, checks: dict, contexts: list) -> None:
     """transformers' bf16-experts target (unless --no-bf16), the same packed, then also graphed."""
     target, _, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
                                       packed_experts=args.no_bf16, experts=args.experts)
@@ -251,6 +264,10 @@ def run_ours(layers: int, args, rows: list, checks: dict) -> None:
         rel = float((ours["logits"] - bf16["logits"]).norm() / bf16["logits"].norm())
         same = sum(a == b for a, b in zip(ours["tokens"], bf16["tokens"]))
         print(f"{layers} layers: logits rel. difference {rel:.2e}, greedy tokens equal {same}/{len(bf16['tokens'])}")
+    for context in args.contexts:
+        contexts.append(dict(layers=layers, context=context, replay_ms=context_replay_ms(target, prompt, context, args),
+                             short_context=args.prompt + args.new_tokens + 8, short_ms=fp8["replay_ms"]))
+        print(contexts[-1], flush=True)
     for r in (bf16, ours, fast, fp8):
         if r is not None:
             rows.append(row(layers, r))
@@ -333,16 +350,19 @@ def main():
     p.add_argument("--peer-autotune-trials", type=int, default=None,
                    help="cap the peer's Bayesian autotune (faster warm-up, maybe slower kernels); default: as a user")
     p.add_argument("--no-bf16", action="store_true", help="skip transformers' bf16-experts target")
+    p.add_argument("--contexts", default="", help="comma list of context lengths (e.g. 16384,65536) at which the "
+                   "graphed 1-row step is also timed (its capacity: graph_target's max_length)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per layer (V4-Flash: 256); fewer keep a token's bytes and fit more layers")
     args = p.parse_args()
+    args.contexts = [int(x) for x in args.contexts.split(",") if x]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(f"seed={SEED}, {gpu}, torch {torch.__version__}, transformers {peer_fp8.transformers_version}", flush=True)
     kernel = prepare_peer(args) if args.peer != "none" else None
-    rows, checks, t0 = [], {}, time.perf_counter()
+    rows, checks, contexts, t0 = [], {}, [], time.perf_counter()
     for layers in [int(x) for x in args.layers.split(",")]:
         print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: ours", flush=True)
-        run_ours(layers, args, rows, checks)
+        run_ours(layers, args, rows, checks, contexts)
         if kernel is not None:
             print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: peer", flush=True)
             try:  # a failing peer must not lose our rows
@@ -356,15 +376,15 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "target_step.json"), "w") as f:
-            json.dump({"rows": rows, "checks": checks, "seed": SEED}, f, indent=1)
-    report(rows, checks, args.project)
+            json.dump({"rows": rows, "checks": checks, "contexts": contexts, "seed": SEED}, f, indent=1)
+    report(rows, checks, args.project, contexts)
 
 
 def fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def report(rows, checks, project: int) -> None:
+def report(rows, checks, project: int, contexts=()) -> None:
     print("\n| layers | target | decode step ms | x byte floor | graph replay ms | kernels/layer | MoE block ms (T="
           + "/".join(map(str, MOE_ROWS)) + ") | routed experts GB | FP8 linears GB | all weights GB | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -376,6 +396,9 @@ def report(rows, checks, project: int) -> None:
               f"{fmt(per_layer_k, '.0f')} | {moe} | {r['expert_gb']:.2f} | {fmt(r.get('fp8_linear_gb'))} | "
               f"{r['param_gb']:.2f} | {fmt(r.get('peak_gb'))} |")
     slopes = per_layer(rows, project)
+    for c in contexts:
+        print(f"{c['layers']} layers, FP8 graphed 1-row step at a {c['context']}-token context: {fmt(c['replay_ms'], '.3f')} ms "
+              f"(at {c['short_context']} tokens: {fmt(c['short_ms'], '.3f')} ms)")
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'}: {k}")
     summary(rows, slopes, project)

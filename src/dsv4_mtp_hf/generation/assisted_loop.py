@@ -1,6 +1,6 @@
 """Assisted decoding of one sequence on a graphed target, greedy or sampled: our loop in place of transformers'.
 
-On a graphed target (:mod:`.target_graph`) a round's GPU work is two graph replays, the MTP's
+On a graphed target (:mod:`dsv4_mtp_hf.target_runtime.graph`) a round's GPU work is two graph replays, the MTP's
 round and the target's verify, and the GPU waits on whatever the host does between the read
 of one round's accepted count and the next launch.  transformers' ``_assisted_decoding``
 spends about 1-2 ms of host time there per round (input and mask bookkeeping, a float copy of

@@ -3,7 +3,7 @@
 transformers' assisted loop serves one sequence at a time.  :func:`speculative_generate`
 runs B sequences together, each with its own acceptance and its own rollback:
 
-* the target runs through :class:`~.ragged_target.RaggedTargetForward` (per-sequence
+* the target runs through :class:`~dsv4_mtp_hf.target_runtime.ragged.RaggedTargetForward` (per-sequence
   rollback state and positions, the attention batched over sequences with per-sequence
   state by default, token-wise work batched over all sequences), so each sequence computes
   what it computes alone -- no padding enters the target's arithmetic;
