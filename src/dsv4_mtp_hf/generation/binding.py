@@ -165,10 +165,7 @@ def _assisted_call(target, cls_generate, args, kwargs):
     if drafter is None:
         return NotImplemented
     if drafter.target_model is not target:
-        raise ValueError(
-            f"This {type(drafter).__name__} is not bound to the target model you generate with (it is bound to "
-            f"{'no target' if drafter.target_model is None else 'a different target'}); call "
-            "`drafter.bind(target)` first.")
+        raise ValueError(drafter.binding_error())
     kwargs = _as_keywords(cls_generate, target, args, kwargs)
     ids, pads = _unpadded(kwargs)
     _check_settings(target, drafter, ids, kwargs)

@@ -1,0 +1,85 @@
+"""DSpark's careless-user errors (beside the MTP's, ``test_loading_errors.py``): every case raises an error that
+names the drafter (``DeepseekV4DSparkForCausalLM``), the problem and the fix -- or, where the fix is stated, shows
+that it works.  A tiny 0731-layout release (``tests/dspark_release.py``) and its 3-layer target serve every case."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from dsv4_mtp_hf import DeepseekV4DSparkConfig, DeepseekV4DSparkForCausalLM, DeepseekV4MtpForCausalLM, patching
+from dsv4_mtp_hf.generation import speculative_generate
+from dsv4_mtp_hf.generation.binding import _drafter_of_call
+from dsv4_mtp_hf.generation.speculative import mtp_decoding
+from dsv4_mtp_hf.loading import MtpCheckpointError
+from dsv4_mtp_hf.loading.detect import load_drafter
+
+from .dspark_release import random_dspark_tensors, random_target_shared, tiny_dspark_config, write_dspark_release
+from .helpers import unbound_assistant_pattern
+
+SMALL = dict(hidden_size=64, moe_intermediate_size=32, head_dim=32, q_lora_rank=32, o_lora_rank=16,
+             dspark_markov_rank=8)
+NAME = "DeepseekV4DSparkForCausalLM"
+RELEASE = "deepseek-ai/DeepSeek-V4-Flash-0731"
+IDS = torch.tensor([[5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(directory, config dict, stored drafter tensors, stored embed/head) of a tiny 0731-layout release."""
+    cfg = tiny_dspark_config(**SMALL)
+    tensors, shared = random_dspark_tensors(cfg, seed=7), random_target_shared(cfg, seed=8)
+    path = write_dspark_release(tmp_path_factory.mktemp("dspark") / "release", cfg, tensors, shared)
+    return path, cfg, tensors, shared
+
+
+def target_of(cfg: dict, **overrides) -> DeepseekV4ForCausalLM:
+    return DeepseekV4ForCausalLM(DeepseekV4Config(**{**cfg, **overrides})).eval()
+
+
+def variant(tmp_path: Path, release, config_edit=None, drop=lambda name: False) -> Path:
+    """The release rewritten with its config edited and the tensors ``drop`` names left out (index and shard)."""
+    _, cfg, tensors, shared = release
+    cfg = json.loads(json.dumps(cfg))
+    if config_edit is not None:
+        config_edit(cfg)
+    kept = {k: v for k, v in tensors.items() if not drop(k)}
+    return write_dspark_release(tmp_path / "variant", cfg, kept, shared)
+
+
+# -- an unbound drafter passed as `assistant_model` -------------------------------------------------------------
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("how", ["unbind", "bound_elsewhere", "loaded_without_target"])
+def test_an_unbound_dspark_as_assistant_model_says_to_bind_it(release, how):
+    """transformers' own candidate generator used to read DSpark's `num_assistant_tokens="auto"` first
+    (`int('auto')`).  On a target with no drafter of ours, transformers <= 5.24 refuses V4 itself; 5.25 asks the
+    drafter, which names its state and the fix.  On a target that has a drafter bound, our handler answers."""
+    path, cfg, _, _ = release
+    target = target_of(cfg)
+    if how == "loaded_without_target":
+        dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path)
+    else:
+        dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target)
+        dspark.unbind() if how == "unbind" else dspark.bind(target_of(cfg))
+    elsewhere = how == "bound_elsewhere"
+    with pytest.raises(ValueError, match=unbound_assistant_pattern(bound_elsewhere=elsewhere)) as err:
+        target.generate(IDS, assistant_model=dspark, max_new_tokens=3)
+    assert "int()" not in str(err.value)
+    other = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target, dtype=torch.float64)
+    ours = (r"not bound to the target you generate with: it is bound to another" if elsewhere else
+            r"not bound to a target \(never bound")
+    with pytest.raises(ValueError, match=NAME + ".*" + ours + r".*drafter\.bind\(target\)"):
+        target.generate(IDS, assistant_model=dspark, max_new_tokens=3)  # our handler, on every version
+    assert other.is_bound
+
+
+def test_drafter_generate_names_the_drafter(release):
+    path, _, _, _ = release
+    with pytest.raises(RuntimeError, match=NAME + r" is not bound to a target.*cannot run alone"):
+        DeepseekV4DSparkForCausalLM.from_pretrained(path).generate(IDS)
