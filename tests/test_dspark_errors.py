@@ -83,3 +83,61 @@ def test_drafter_generate_names_the_drafter(release):
     path, _, _, _ = release
     with pytest.raises(RuntimeError, match=NAME + r" is not bound to a target.*cannot run alone"):
         DeepseekV4DSparkForCausalLM.from_pretrained(path).generate(IDS)
+
+
+# -- files that are not there -------------------------------------------------------------------------------
+
+
+@pytest.mark.tf_internals
+@pytest.mark.parametrize("local_files_only", [False, True])
+def test_offline_a_release_not_in_the_cache_says_so(tmp_path, local_files_only):
+    """Offline (tests run with HF_HUB_OFFLINE=1), a repo id the cache does not hold: not "no drafter here"."""
+    from huggingface_hub import constants
+
+    assert constants.HF_HUB_OFFLINE or local_files_only  # never reach the network from a test
+    kw = dict(cache_dir=tmp_path / "empty", local_files_only=local_files_only)
+    for load in (load_drafter, DeepseekV4DSparkForCausalLM.from_pretrained, DeepseekV4MtpForCausalLM.from_pretrained):
+        with pytest.raises(MtpCheckpointError, match=r"Cannot read config\.json of " + RELEASE + r": offline mode is "
+                           r"on.*not in the local cache.*hf download " + RELEASE) as err:
+            load(RELEASE, **kw)
+        assert "No drafter" not in str(err.value)
+
+
+def hub_cache(root: Path, repo: str, files: Path) -> Path:
+    """A Hugging Face cache under ``root`` holding ``files`` as ``repo``'s main revision (no record of absent files)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = root / f"models--{repo.replace('/', '--')}"
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit)
+    shutil.copytree(files, entry / "snapshots" / commit)
+    return root
+
+
+@pytest.mark.tf_internals
+def test_offline_a_cached_release_and_a_cached_single_file_drafter_load(tmp_path, release):
+    """The other side of the offline rule: what the cache holds loads, and a single-file drafter whose index the
+    cache has no record of is not refused as unreachable."""
+    path, cfg, _, _ = release
+    want = DeepseekV4DSparkForCausalLM.from_pretrained(path)
+    cache = hub_cache(tmp_path / "hub", "org/dspark", path)
+    got = load_drafter("org/dspark", cache_dir=cache)
+    want.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "model.safetensors.index.json").exists()
+    saved = load_drafter("org/saved", cache_dir=hub_cache(tmp_path / "hub2", "org/saved", tmp_path / "saved"))
+    for model in (got, saved):
+        assert type(model) is DeepseekV4DSparkForCausalLM
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), want.state_dict().values()))
+
+
+@pytest.mark.parametrize("shard, pattern", [
+    ("model-00002-of-00002.safetensors", r"the index places the drafter's `mtp\.\*` tensors in it"),
+    ("model-00001-of-00002.safetensors", r"it holds embed\.weight, read when no `target_model=` is given"),
+], ids=["mtp_shard", "embed_shard"])
+def test_a_local_copy_missing_a_shard_names_it(tmp_path, release, shard, pattern):
+    path = Path(shutil.copytree(release[0], tmp_path / "copy"))
+    (path / shard).unlink()
+    for load in (DeepseekV4DSparkForCausalLM.from_pretrained, load_drafter):
+        with pytest.raises(MtpCheckpointError, match=rf"{shard} \({pattern}\) is missing from the local directory "
+                           rf"{path}: the copy is incomplete") as err:
+            load(path)
+        assert "huggingface.co" not in str(err.value)

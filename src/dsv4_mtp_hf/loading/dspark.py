@@ -107,7 +107,8 @@ def read_shared_modules(path_or_repo, hub: dict, dtype: torch.dtype, device) -> 
                                  "release's embedding and lm head. Pass `target_model=` instead.")
     tensors = {}
     for name in SHARED:
-        path = single if single is not None else resolve_file(path_or_repo, weight_map[name], hub)
+        held = f"it holds {name}, read when no `target_model=` is given"
+        path = single if single is not None else resolve_file(path_or_repo, weight_map[name], hub, what=held)
         with safe_open(path, framework="pt", device="cpu") as f:
             tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     vocab, hidden = tensors["embed.weight"].shape

@@ -472,8 +472,9 @@ def read_native_source(path_or_repo, hub: dict, prefix: str = MTP_PREFIX) -> Nat
         logger.warning(f"Ignoring MTP layer(s) mtp.{others} in {path_or_repo}: only {prefix.rstrip('.')} is used.")
         keys = [k for k in keys if k.startswith(prefix)]
     shard_of = {k: weight_map[k] for k in keys}
-    shard_paths = {s: (single if single is not None else resolve_file(path_or_repo, s, hub))
-                   for s in sorted(set(shard_of.values()))}
+    shard_paths = {s: (single if single is not None else resolve_file(
+        path_or_repo, s, hub, what=f"the index places the drafter's `{prefix}*` tensors in it"))
+        for s in sorted(set(shard_of.values()))}
     header: dict = {}
     for s, p in shard_paths.items():
         h = read_safetensors_header(p)
