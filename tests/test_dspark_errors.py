@@ -85,6 +85,76 @@ def test_drafter_generate_names_the_drafter(release):
         DeepseekV4DSparkForCausalLM.from_pretrained(path).generate(IDS)
 
 
+# -- incomplete releases -----------------------------------------------------------------------------------------
+
+
+def test_a_release_missing_a_whole_block_names_the_block_and_the_shard(tmp_path, release):
+    path = variant(tmp_path, release, drop=lambda k: k.startswith("mtp.1."))
+    for load in (DeepseekV4DSparkForCausalLM.from_pretrained, load_drafter):
+        with pytest.raises(MtpCheckpointError, match=NAME + r".*incomplete.*mtp\.0, mtp\.2 but no tensor of "
+                           r"mtp\.1\.\*.*model-00002-of-00002\.safetensors.*download") as err:
+            load(path)
+        assert "KeyError" not in repr(err.value)
+
+
+def test_missing_dspark_tensors_are_reported_as_dsparks(tmp_path, release):
+    path = variant(tmp_path, release, drop=lambda k: k == "mtp.1.attn.wkv.weight")
+    pattern = (r"The DSpark drafter \(" + NAME + r"\) in this checkpoint is incomplete: 1 required.*"
+               r"mtp\.1\.attn\.wkv\.weight.*Download the index and those shards")
+    with pytest.raises(MtpCheckpointError, match=pattern) as err:
+        DeepseekV4DSparkForCausalLM.from_pretrained(path)
+    assert "MTP" not in str(err.value)
+
+
+def test_another_drafters_keyword_is_refused_by_name(release):
+    with pytest.raises(TypeError, match=r"loading " + NAME + r" .*\['mtp_vocab_size'\]"):
+        DeepseekV4DSparkForCausalLM.from_pretrained(release[0], mtp_vocab_size=100)
+
+
+@pytest.mark.parametrize("keys", [["dspark_block_size"], ["dspark_target_layer_ids"],
+                                  ["dspark_block_size", "dspark_target_layer_ids"]], ids=["block", "layers", "both"])
+def test_a_config_without_dspark_fields_is_called_incomplete_and_the_fix_works(tmp_path, release, keys):
+    """Both classes agree: the tensors are DSpark's (the MTP class says so), the config lacks the named keys."""
+    path = variant(tmp_path, release, config_edit=lambda c: [c.pop(k) for k in keys])
+    for load in (DeepseekV4DSparkForCausalLM.from_pretrained, load_drafter):
+        with pytest.raises(MtpCheckpointError, match=r"DSpark drafter tensors.*config\.json has no "
+                           + ", ".join(keys) + r": the config is incomplete.*Restore the release's config\.json"):
+            load(path)
+    with pytest.raises(MtpCheckpointError, match=r"ships the DSpark drafter.*use " + NAME):
+        DeepseekV4MtpForCausalLM.from_pretrained(path)
+    values = {k: release[1][k] for k in keys}  # the fix the message offers: pass the release's values
+    got = DeepseekV4DSparkForCausalLM.from_pretrained(path, **values)
+    assert (got.config.dspark_block_size, got.config.dspark_target_layer_ids) == (5, [0, 1, 2])
+
+
+def test_a_target_config_without_dspark_fields_names_them_and_both_fixes():
+    with pytest.raises(ValueError, match=r"no dspark_target_layer_ids.*incomplete.*DeepseekV4MtpForCausalLM"):
+        DeepseekV4DSparkConfig.from_target_config({**tiny_dspark_config(), "dspark_target_layer_ids": None})
+
+
+# -- the block size ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [4, 7, 1000])
+def test_a_block_size_other_than_the_releases_is_refused_at_load(release, block):
+    with pytest.raises(MtpCheckpointError, match=r"takes dspark_block_size=5 from the release, not "
+                       rf"dspark_block_size={block}.*trained.*num_assistant_tokens=k"):
+        DeepseekV4DSparkForCausalLM.from_pretrained(release[0], dspark_block_size=block)
+    assert DeepseekV4DSparkForCausalLM.from_pretrained(release[0], dspark_block_size=5).block_size == 5
+
+
+def test_a_block_longer_than_the_window_is_refused_with_the_reason(tmp_path, release):
+    window = release[1]["sliding_window"]
+    path = variant(tmp_path, release, config_edit=lambda c: c.update(dspark_block_size=1000))
+    with pytest.raises(ValueError, match=rf"`dspark_block_size`=1000 exceeds `sliding_window`={window}: no DSpark "
+                       r"drafts a block longer than the context window.*num_assistant_tokens=k"):
+        DeepseekV4DSparkForCausalLM.from_pretrained(path)
+    cfg = tiny_dspark_config(**SMALL)
+    assert DeepseekV4DSparkConfig.from_target_config({**cfg, "dspark_block_size": window}).dspark_block_size == window
+    with pytest.raises(ValueError, match="exceeds `sliding_window`"):
+        DeepseekV4DSparkConfig.from_target_config({**cfg, "dspark_block_size": window + 1})
+
+
 # -- files that are not there -------------------------------------------------------------------------------
 
 

@@ -222,3 +222,17 @@ def test_a_path_that_is_no_directory_says_so(tmp_path):
     with pytest.raises(MtpCheckpointError, match=r"no such local directory"):
         DeepseekV4MtpForCausalLM.from_pretrained(tmp_path / "not-there")
 
+
+def test_missing_mtp_tensors_name_the_mtp_class(tmp_path, release):
+    _, _, src = release
+    path = copy(src, tmp_path / "r")
+    shard = path / "model-00003-of-00003.safetensors"
+    tensors = load_file(str(shard))
+    tensors.pop("mtp.0.e_proj.weight")
+    tensors.pop("mtp.0.e_proj.scale", None)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    edit_json(path / "model.safetensors.index.json",
+              lambda i: [i["weight_map"].pop(k, None) for k in ("mtp.0.e_proj.weight", "mtp.0.e_proj.scale")])
+    with pytest.raises(MtpCheckpointError, match=r"The MTP layer \(DeepseekV4MtpForCausalLM\) in this checkpoint is "
+                       r"incomplete: 1 required.*mtp\.0\.e_proj\.weight"):
+        DeepseekV4MtpForCausalLM.from_pretrained(path)
