@@ -155,6 +155,24 @@ def test_a_block_longer_than_the_window_is_refused_with_the_reason(tmp_path, rel
         DeepseekV4DSparkConfig.from_target_config({**cfg, "dspark_block_size": window + 1})
 
 
+# -- binding ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [2, 4, 8])
+def test_binding_checks_the_target_layer_count(release, layers):
+    path, cfg, _, _ = release
+    dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path)
+    other = target_of(cfg, num_hidden_layers=layers, layer_types=None, mlp_layer_types=None)
+    pattern = (rf"{NAME} does not match the target model: num_target_layers: draft 3 \(it reads the outputs of "
+               rf"target layers \[0, 1, 2\]\) vs target {layers}\. Load the drafter from the same DeepSeek-V4 release")
+    with pytest.raises(ValueError, match=pattern):
+        dspark.bind(other)
+    with pytest.raises(ValueError, match=pattern):
+        DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=other)
+    assert not dspark.is_bound and "generate" not in other.__dict__
+    assert dspark.bind(target_of(cfg)).is_bound  # the release's own layer count binds
+
+
 # -- files that are not there -------------------------------------------------------------------------------
 
 

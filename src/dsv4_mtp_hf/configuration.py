@@ -359,3 +359,13 @@ class DeepseekV4DSparkConfig(DeepseekV4DraftConfig):
         out = {k: target_config[k] for k in DSPARK_FIELDS if target_config.get(k) is not None}
         out["num_target_layers"] = target_config.get("num_hidden_layers", cls.num_target_layers)
         return out
+
+    def binding_mismatches(self, target_config) -> list[str]:
+        """The base fields, and the target's layer count: DSpark reads fixed target layers' outputs."""
+        out = super().binding_mismatches(target_config)
+        cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+        layers = cfg.get("num_hidden_layers")
+        if layers != self.num_target_layers:
+            out.append(f"num_target_layers: draft {self.num_target_layers} (it reads the outputs of target layers "
+                       f"{self.dspark_target_layer_ids}) vs target {layers}")
+        return out
