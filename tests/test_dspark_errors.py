@@ -85,6 +85,29 @@ def test_drafter_generate_names_the_drafter(release):
         DeepseekV4DSparkForCausalLM.from_pretrained(path).generate(IDS)
 
 
+# -- batches --------------------------------------------------------------------------------------------------
+
+
+def test_batches_refuse_dspark_by_name_and_say_what_works(release):
+    path, cfg, _, _ = release
+    target = target_of(cfg)
+    dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target)
+    pattern = r"MTP head.*" + NAME + r".*`target\.generate\(prompt\[None\], assistant_model=drafter\)` \(batch 1\)"
+    for prompts, kw in (([IDS[0], IDS[0, :2]], {}), ([IDS[0]], {}), ([IDS[0]], dict(num_assistant_tokens=2))):
+        with pytest.raises(ValueError, match=pattern):
+            speculative_generate(target, dspark, prompts, max_new_tokens=3, **kw)
+    assert target.generate(IDS, assistant_model=dspark, max_new_tokens=3).shape == (1, 7)  # what works
+
+
+@pytest.mark.tf_internals
+def test_mtp_decoding_refuses_dspark_by_name(release):
+    path, cfg, _, _ = release
+    target = target_of(cfg)
+    dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target)
+    with pytest.raises(ValueError, match=NAME + r".*assistant_model=drafter\)` \(batch 1\)"):
+        target.generate(IDS, custom_generate=mtp_decoding, mtp=dspark, max_new_tokens=3)
+
+
 # -- incomplete releases -----------------------------------------------------------------------------------------
 
 
