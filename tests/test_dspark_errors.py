@@ -252,3 +252,41 @@ def test_a_local_copy_missing_a_shard_names_it(tmp_path, release, shard, pattern
                            rf"{path}: the copy is incomplete") as err:
             load(path)
         assert "huggingface.co" not in str(err.value)
+
+
+# -- use_mtp=True and repeated loads -----------------------------------------------------------------------
+
+
+@pytest.mark.tf_internals
+def test_loading_the_same_release_again_replaces_the_earlier_copy(release, caplog):
+    path, cfg, _, _ = release
+    target = target_of(cfg)
+    first = load_drafter(path, target_model=target)
+    caplog.set_level(logging.WARNING)
+    second = load_drafter(path, target_model=target)
+    assert second.is_bound and not first.is_bound
+    assert "Unbound an earlier " + NAME in caplog.text
+    out = target.generate(IDS, use_mtp=True, max_new_tokens=4)  # drafts with the one copy bound
+    assert second.last_generation_stats is not None and first.last_generation_stats is None
+    assert torch.equal(out, target.generate(IDS, max_new_tokens=4))
+    with pytest.raises(ValueError, match=NAME + r" is not bound to a target \(a later copy of it, loaded from "):
+        target.generate(IDS, assistant_model=first, max_new_tokens=3)
+    first.bind(target)  # the stated fix: bind the earlier copy again (the later one goes)
+    assert first.is_bound and not second.is_bound
+
+
+@pytest.mark.tf_internals
+def test_use_mtp_with_several_drafters_names_them_and_with_none_says_to_bind_one(release):
+    path, cfg, _, _ = release
+    target = target_of(cfg)
+    dspark = load_drafter(path, target_model=target)
+    built = DeepseekV4DSparkForCausalLM(DeepseekV4DSparkConfig.from_target_config(cfg)).bind(target)  # no checkpoint
+    with pytest.raises(ValueError, match=rf"2 are bound: .*{NAME} \({path}\).*{NAME} \(built from a config\)"
+                       r".*Pass `assistant_model=drafter`.*unbind\(\)"):
+        target.generate(IDS, use_mtp=True, max_new_tokens=3)
+    dspark.unbind()
+    built.unbind()
+    patching.record(target, create=True)  # a target we hold a record on (a graphed one) with no drafter bound
+    with pytest.raises(ValueError, match=r"none is: load one with `load_drafter\(repo, target_model=target\)` or "
+                       r"call `drafter\.bind\(target\)`"):
+        _drafter_of_call(target, {"use_mtp": True})
