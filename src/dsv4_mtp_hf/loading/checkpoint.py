@@ -51,8 +51,10 @@ def has_native_mtp_tensors(path_or_repo, hub: dict) -> bool:
     if found is None:
         return False
     name, path = found
-    names = read_json_file(path, "weight index").get("weight_map") or {} if name == INDEX_FILE else \
-        read_safetensors_header(path)
+    if name == INDEX_FILE:
+        names = read_json_file(path, "weight index").get("weight_map") or {}
+    else:
+        names = read_safetensors_header(path)
     return any(isinstance(k, str) and k.startswith("mtp.0.") for k in names)
 
 

@@ -84,7 +84,7 @@ def unreachable_error(path_or_repo, filenames, hub: dict) -> MtpCheckpointError:
         f"Cannot read {' / '.join(filenames)} of {path_or_repo}: {why}, and it is not in the local cache ({cache}). "
         f"Download it once with network access (`hf download {path_or_repo}`, or load it online: only the config, "
         "the index and the shards holding `mtp.*` are fetched), point `cache_dir=` / HF_HOME at the cache that holds "
-        "it, or pass the release's local directory.")
+        f"it, or pass the release's local directory (if {path_or_repo} is meant as one: there is no directory there).")
 
 
 def resolve_file(path_or_repo, filename: str, hub: dict, required: bool = True, what: str = "") -> str | None:
