@@ -185,6 +185,26 @@ def run_fresh_python(script: str, *args, tmp_path) -> str:
     return res.stdout
 
 
+def transformers_refuses_v4_assistants() -> bool:
+    """transformers <= 5.24 refuses assisted generation for any stateful model (V4) before it looks at the
+    assistant, so an unbound drafter's own message cannot show there; 5.25 builds its candidate generator."""
+    import inspect
+
+    from transformers import GenerationMixin
+
+    return "_is_stateful" in inspect.getsource(GenerationMixin._validate_generation_mode)
+
+
+def unbound_assistant_pattern(bound_elsewhere: bool = False) -> str:
+    """What ``target.generate(ids, assistant_model=drafter)`` says when the target has no drafter bound and the
+    drafter is unbound (or bound to another target): transformers' refusal where it refuses V4, else ours."""
+    if transformers_refuses_v4_assistants():
+        return "assisted generation is not supported with stateful models"
+    if bound_elsewhere:
+        return r"not bound to the target you generate with: it is bound to another .*drafter\.bind\(target\)"
+    return r"not bound to a target \(never bound.*drafter\.bind\(target\)"
+
+
 def load_benchmark(name: str):
     """The module ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"

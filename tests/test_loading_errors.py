@@ -203,3 +203,36 @@ def test_release_expert_index_entries_outside_the_directory_are_refused(tmp_path
         pack_fp4_experts(target, path)
     with pytest.raises(MtpCheckpointError, match="outside the checkpoint directory"):
         DeepseekV4PackedExpertsForCausalLM.from_pretrained(path)
+
+
+# -- files that are not there (issue 49, item 4) ----------------------------------------------------------------
+
+
+def test_a_local_copy_missing_the_mtp_shard_names_it_and_says_local(tmp_path, release):
+    _, _, src = release
+    path = copy(src, tmp_path / "r")
+    (path / "model-00003-of-00003.safetensors").unlink()
+    with pytest.raises(MtpCheckpointError, match=r"model-00003-of-00003\.safetensors \(the index places the "
+                       r"drafter's `mtp\.0\.\*` tensors in it\) is missing from the local directory .*incomplete") as e:
+        DeepseekV4MtpForCausalLM.from_pretrained(path)
+    assert "huggingface.co" not in str(e.value)  # a local path is not turned into a Hub URL
+
+
+def test_a_path_that_is_no_directory_says_so(tmp_path):
+    with pytest.raises(MtpCheckpointError, match=r"no such local directory"):
+        DeepseekV4MtpForCausalLM.from_pretrained(tmp_path / "not-there")
+
+
+def test_missing_mtp_tensors_name_the_mtp_class(tmp_path, release):
+    _, _, src = release
+    path = copy(src, tmp_path / "r")
+    shard = path / "model-00003-of-00003.safetensors"
+    tensors = load_file(str(shard))
+    tensors.pop("mtp.0.e_proj.weight")
+    tensors.pop("mtp.0.e_proj.scale", None)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    edit_json(path / "model.safetensors.index.json",
+              lambda i: [i["weight_map"].pop(k, None) for k in ("mtp.0.e_proj.weight", "mtp.0.e_proj.scale")])
+    with pytest.raises(MtpCheckpointError, match=r"The MTP layer \(DeepseekV4MtpForCausalLM\) in this checkpoint is "
+                       r"incomplete: 1 required.*mtp\.0\.e_proj\.weight"):
+        DeepseekV4MtpForCausalLM.from_pretrained(path)

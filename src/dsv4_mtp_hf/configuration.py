@@ -39,6 +39,10 @@ TARGET_FIELDS = (
     "pad_token_id",
 )
 
+# A DSpark release's config.json fields; the block size and the target layers have no default to read it without.
+DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+REQUIRED_DSPARK_FIELDS = DSPARK_FIELDS[0], DSPARK_FIELDS[2]
+
 # Fields that must agree between a draft and the target it is bound to.
 BINDING_FIELDS = ("vocab_size", "hidden_size", "hc_mult", "rope_theta", "qk_rope_head_dim", "head_dim")
 
@@ -213,7 +217,7 @@ class DeepseekV4DraftConfig(PreTrainedConfig):
             kwargs["qk_rope_head_dim"] = cfg["qk_rope_head_dim"]
         elif "qk_rope_head_dim" not in kwargs and cfg.get("partial_rotary_factor"):
             kwargs["qk_rope_head_dim"] = int(round(head_dim * cfg["partial_rotary_factor"]))
-        kwargs.update(cls._target_fields(cfg))
+        kwargs.update(cls._target_fields(cfg, overrides))
         quant = cfg.get("quantization_config") or {}
         expert_dtype = quant.get("expert_dtype") if isinstance(quant, dict) else None
         if expert_dtype in ("fp4", "mxfp4"):
@@ -224,8 +228,8 @@ class DeepseekV4DraftConfig(PreTrainedConfig):
         return cls(**kwargs)
 
     @classmethod
-    def _target_fields(cls, target_config: dict) -> dict:
-        """This drafter's own fields read from the target's config dict."""
+    def _target_fields(cls, target_config: dict, overrides: dict) -> dict:
+        """This drafter's own fields read from the target's config dict (``overrides``: the caller's values)."""
         return {}
 
     def binding_mismatches(self, target_config) -> list[str]:
@@ -278,7 +282,7 @@ class DeepseekV4MtpConfig(DeepseekV4DraftConfig):
             self.draft_vocab_ids = normalize_draft_vocab(self.draft_vocab_ids, self.vocab_size)
 
     @classmethod
-    def _target_fields(cls, target_config: dict) -> dict:
+    def _target_fields(cls, target_config: dict, overrides: dict) -> dict:
         if target_config.get("num_nextn_predict_layers", 1) == 0:
             raise ValueError(
                 "The target config says `num_nextn_predict_layers=0`: this checkpoint was released without an "
@@ -301,6 +305,10 @@ class DeepseekV4DSparkConfig(DeepseekV4DraftConfig):
         dspark_markov_rank (`int`): the rank r of the Markov head.
         num_draft_layers (`int`): the drafter's layers (`mtp.0..N-1` in a release).
         num_target_layers (`int`): the target's decoder layers (checked when binding).
+
+    The block size is what the drafter was trained with (the block is non-causal: another γ changes every
+    row), so it is read from the release and must not exceed ``sliding_window``: no DSpark drafts a block longer
+    than the context window its rows attend to (the releases: γ = 5 beside a 128-token window).
     """
 
     model_type = "deepseek_v4_dspark"
@@ -329,17 +337,35 @@ class DeepseekV4DSparkConfig(DeepseekV4DraftConfig):
             self.dspark_target_layer_ids = ids = list(range(self.num_target_layers - 3, self.num_target_layers))
         if not ids or any(not isinstance(i, int) or not 0 <= i < self.num_target_layers for i in ids):
             fail(f"`dspark_target_layer_ids`={ids} must name layers of the {self.num_target_layers}-layer target.")
+        if self.dspark_block_size > self.sliding_window:
+            fail(f"`dspark_block_size`={self.dspark_block_size} exceeds `sliding_window`={self.sliding_window}: no "
+                 "DSpark drafts a block longer than the context window its rows attend to (the releases: 5 beside "
+                 "128), and each round drafts the whole block and verifies up to block + 1 target rows. Use the "
+                 "block size the drafter was trained with (its release's config.json); to verify fewer drafts per "
+                 "round, pass `num_assistant_tokens=k` to generate.")
         if self.dspark_block_size > self.max_draft_tokens:
             self.max_draft_tokens = self.dspark_block_size  # the window caches roll back a whole block
 
     @classmethod
-    def _target_fields(cls, target_config: dict) -> dict:
-        missing = [k for k in ("dspark_block_size", "dspark_target_layer_ids") if target_config.get(k) is None]
+    def _target_fields(cls, target_config: dict, overrides: dict) -> dict:
+        missing = [k for k in REQUIRED_DSPARK_FIELDS if target_config.get(k) is None and overrides.get(k) is None]
         if missing:
             raise ValueError(
-                f"The target config has no {missing}: it is not a DSpark release (DeepSeek-V4-Flash-0731, "
-                "-Flash-DSpark, -Pro-DSpark). Load the MTP with DeepseekV4MtpForCausalLM, or pass a DSpark release.")
-        out = {k: target_config[k] for k in ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
-                                             "dspark_markov_rank") if target_config.get(k) is not None}
+                f"The target config has no {', '.join(missing)}, which a DSpark release's config.json carries "
+                "(DeepSeek-V4-Flash-0731: dspark_block_size 5, dspark_target_layer_ids [40, 41, 42]). If it is a "
+                "DSpark release's config, it is incomplete: restore the release's config.json, or pass the values "
+                f"(`{missing[0]}=...`). If the target ships the MTP head instead (V4-Flash, -Pro), use "
+                "DeepseekV4MtpForCausalLM.")
+        out = {k: target_config[k] for k in DSPARK_FIELDS if target_config.get(k) is not None}
         out["num_target_layers"] = target_config.get("num_hidden_layers", cls.num_target_layers)
+        return out
+
+    def binding_mismatches(self, target_config) -> list[str]:
+        """The base fields, and the target's layer count: DSpark reads fixed target layers' outputs."""
+        out = super().binding_mismatches(target_config)
+        cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+        layers = cfg.get("num_hidden_layers")
+        if layers != self.num_target_layers:
+            out.append(f"num_target_layers: draft {self.num_target_layers} (it reads the outputs of target layers "
+                       f"{self.dspark_target_layer_ids}) vs target {layers}")
         return out

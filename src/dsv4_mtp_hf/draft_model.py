@@ -61,6 +61,7 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
     # -- binding to the target -----------------------------------------------------------------
     def _init_binding(self, target_model) -> None:
         self._shared: SharedTargetModules | None = None
+        self._unbound_note = ""  # why an earlier binding went, when not by this drafter's own unbind()
         self.last_generation_stats = None  # GenerationStats of the last assisted generate call
         if target_model is not None:
             self.bind(target_model)
@@ -105,6 +106,7 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
 
         norms_to_compute_dtype(target)  # transformers 5.17 reloads bf16 targets with fp32 norms (a no-op on 5.18+)
         self._shared = SharedTargetModules(target)
+        self._unbound_note = ""
         attach(self, target)
         return self
 
@@ -131,20 +133,34 @@ class DeepseekV4DraftModel(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return None if self._shared is None else self._shared.lm_head
 
-    def generate(self, *args, **kwargs):
-        """Refused: a drafter needs its target's hidden states.  transformers also lands here when a target that this
-        drafter is not bound to (never bound, ``unbind()``, or bound elsewhere since) generates with it."""
+    def binding_error(self, assisting: bool = True) -> str:
+        """Why this drafter cannot draft here, and the fix: unbound, or bound to another target.  ``assisting``: it
+        was passed as ``assistant_model`` to a target's ``generate``; else ``drafter.generate`` was called."""
         name = type(self).__name__
+        if self.is_bound and assisting:
+            return (f"This {name} is not bound to the target you generate with: it is bound to another "
+                    f"{type(self.target_model).__name__} and drafts only for that one. Generate with that target, or "
+                    "call `drafter.bind(target)` first (a drafter serves one target at a time; binding moves it).")
         if self.is_bound:
-            state = (f"This {name} is bound to one target (a {type(self.target_model).__name__}) and drafts only for "
-                     "it: call that target's `generate(input_ids, assistant_model=drafter)`; to draft for another "
-                     "target, `drafter.bind(other)` first (a drafter serves one target at a time).")
-        else:
-            state = (f"This {name} is not bound to a target (never bound, or `unbind()` undid it). Bind it to the "
-                     "target (`drafter.bind(target)`, or `from_pretrained(..., target_model=target)`), then call "
-                     "`target.generate(input_ids, assistant_model=drafter)`.")
-        raise RuntimeError(f"{state} A draft model needs its target's hidden states; `drafter.generate(...)` cannot "
-                           "run alone.")
+            return (f"This {name} is bound to one target (a {type(self.target_model).__name__}) and drafts only for "
+                    "it: call that target's `generate(input_ids, assistant_model=drafter)`; to draft for another "
+                    "target, `drafter.bind(other)` first (a drafter serves one target at a time).")
+        why = self._unbound_note or "never bound: loaded or built without `target_model=`; or `unbind()` undid it"
+        return (f"This {name} is not bound to a target ({why}). Bind it to the target (`drafter.bind(target)`, or "
+                "`load_drafter(..., target_model=target)` / `from_pretrained(..., target_model=target)`), then call "
+                "`target.generate(input_ids, assistant_model=drafter)`.")
+
+    def generate(self, *args, **kwargs):
+        """Refused: a drafter needs its target's hidden states."""
+        raise RuntimeError(f"{self.binding_error(assisting=False)} A draft model needs its target's hidden states; "
+                           "`drafter.generate(...)` cannot run alone.")
+
+    def _supports_logits_to_keep(self) -> bool:
+        """Refused.  transformers asks this only when it runs the drafter as a model of its own -- its own candidate
+        generator, which a target's ``generate`` builds when this drafter is not bound to that target -- and would
+        fail later with an unrelated error (``int('auto')`` for DSpark's draft length)."""
+        raise ValueError(f"{self.binding_error()} transformers' own assisted generation cannot run a "
+                         f"{type(self).__name__}: it needs the target's hidden states, which the binding supplies.")
 
     def save_pretrained(self, save_directory, *args, layout: str = "transformers", target_config=None, **kwargs):
         """``layout="transformers"`` (the default): transformers' ``save_pretrained`` (experts stay packed, no

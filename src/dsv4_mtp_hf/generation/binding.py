@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+from transformers.utils import logging as hf_logging
 
 from .. import patching
 from ..compat import cache_kwarg
@@ -33,6 +34,8 @@ from . import round as rounds
 from .candidate import DraftCandidateGenerator
 from .drafter import session_class
 from .stats import GenerationStats
+
+logger = hf_logging.get_logger(__name__)
 
 # transformers settings that choose other candidate generators or schedules: refused, with what to use instead.
 REFUSED = {
@@ -46,8 +49,24 @@ REFUSED = {
 
 
 def attach(drafter, target) -> None:
-    patching.record(target, create=True).drafts.add(drafter)
+    """Bind ``drafter`` to ``target``.  An earlier copy of the same checkpoint's drafter bound there is unbound (with
+    a warning): loading a release again with ``target_model=`` (a notebook cell run twice) must not leave several
+    copies bound, which ``use_mtp=True`` could not choose between."""
+    rec = patching.record(target)
+    earlier = [d for d in (rec.drafts if rec is not None else ()) if d is not drafter and _same_checkpoint(d, drafter)]
+    for old in earlier:
+        old.unbind()
+        old._unbound_note = (f"a later copy of it, loaded from {drafter.name_or_path}, was bound to its target in "
+                             "its place")
+        logger.warning(f"Unbound an earlier {type(old).__name__} loaded from {drafter.name_or_path} from this target: "
+                       "a target keeps one copy of a checkpoint's drafter bound, the latest. `old.bind(target)` "
+                       "binds that copy again (and unbinds this one).")
+    patching.record(target, create=True).drafts.add(drafter)  # a fresh record if the last unbind dropped it
     patching.refresh_generate(target)
+
+
+def _same_checkpoint(a, b) -> bool:
+    return type(a) is type(b) and bool(a.name_or_path) and a.name_or_path == b.name_or_path
 
 
 def detach(drafter, target) -> None:
@@ -167,10 +186,7 @@ def _assisted_call(target, cls_generate, args, kwargs):
     if drafter is None:
         return NotImplemented
     if drafter.target_model is not target:
-        raise ValueError(
-            f"This {type(drafter).__name__} is not bound to the target model you generate with (it is bound to "
-            f"{'no target' if drafter.target_model is None else 'a different target'}); call "
-            "`drafter.bind(target)` first.")
+        raise ValueError(drafter.binding_error())
     kwargs = _as_keywords(cls_generate, target, args, kwargs)
     ids, pads = _unpadded(kwargs)
     _check_settings(target, drafter, ids, kwargs)
@@ -183,9 +199,15 @@ def _drafter_of_call(target, kwargs):
     if kwargs.get("use_mtp") and assistant is None:
         rec = patching.record(target)
         bound = [d for d in (rec.drafts if rec is not None else ()) if session_class(d) is not None]
-        if len(bound) != 1:
+        if not bound:
+            raise ValueError("`use_mtp=True` drafts with the drafter bound to this target, and none is: load one with "
+                             "`load_drafter(repo, target_model=target)` or call `drafter.bind(target)` (or pass "
+                             "`assistant_model=drafter`).")
+        if len(bound) > 1:
+            names = ", ".join(f"{type(d).__name__} ({d.name_or_path or 'built from a config'})" for d in bound)
             raise ValueError(f"`use_mtp=True` drafts with the drafter bound to this target, and {len(bound)} are "
-                             "bound: pass `assistant_model=drafter` to choose one.")
+                             f"bound: {names}. Pass `assistant_model=drafter` to choose one, or `unbind()` the "
+                             "others.")
         kwargs.pop("use_mtp")
         kwargs["assistant_model"] = assistant = bound[0]
     if session_class(assistant) is None:

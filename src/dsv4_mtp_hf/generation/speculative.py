@@ -27,6 +27,7 @@ import torch
 from ..target_runtime.ragged import RaggedTargetForward
 from . import round as rounds
 from . import sampling
+from .drafter import session_class
 from .mtp_session import MtpSession
 from .stats import BatchGenerationStats, GenerationStats
 
@@ -311,8 +312,9 @@ def speculative_generate(
 def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_assistant_tokens, eos, pad_token_id,
                   warpers, generator, prefill_tokens, prefill_chunk, target_attention, rules) -> SpeculativeOutput:
     """:func:`speculative_generate` with its settings resolved (``warpers``: None for greedy)."""
+    check_batch_drafter(mtp)
     if getattr(mtp, "target_model", None) is not target:
-        raise ValueError("the MTP is not bound to this target: call `mtp.bind(target)` first.")
+        raise ValueError(mtp.binding_error())
     value = mtp.generation_config.num_assistant_tokens if num_assistant_tokens is None else num_assistant_tokens
     if value == rounds.AUTO:
         raise ValueError("batches draft a fixed number of tokens per round: pass `num_assistant_tokens` as an int.")
@@ -334,6 +336,23 @@ def _decode_batch(target, mtp, input_ids, attention_mask, max_new_tokens, num_as
         _round(st)
     mtp.generation_finished(st.stats)
     return _output(st, input_ids, prompts, pad_token_id, target)
+
+
+def check_batch_drafter(mtp) -> None:
+    """Batches draft with the MTP head only (design §7b): any other drafter is refused by name, with what serves it."""
+    if mtp is None:
+        raise ValueError("pass the draft: `speculative_generate(target, mtp, prompts)` or "
+                         "`generate(..., custom_generate=mtp_decoding, mtp=mtp)`.")
+    if session_class(mtp) is MtpSession:
+        return
+    name = type(mtp).__name__
+    if session_class(mtp) is not None:
+        raise ValueError(
+            "Batched speculative decoding (speculative_generate, mtp_decoding) drafts with the MTP head "
+            f"(DeepseekV4MtpForCausalLM) only; {name} drafts one sequence per call. Generate each prompt with "
+            "`target.generate(prompt[None], assistant_model=drafter)` (batch 1), or load the MTP head of a "
+            "preview release (deepseek-ai/DeepSeek-V4-Flash, -Pro) for batches.")
+    raise TypeError(f"the draft must be a DeepseekV4MtpForCausalLM bound to the target, got {name}.")
 
 
 def _prefill_groups(prompts, prefill_tokens: int) -> list[list[int]]:
@@ -412,8 +431,7 @@ def mtp_decoding(model, input_ids, logits_processor, stopping_criteria, generati
     ``pad_token_id``.  Stopping criteria (``stop_strings`` with ``tokenizer=``, user criteria) end each
     sequence where ``generate`` would; processors other than temperature/top-k/top-p/min-p, streamers and dict
     outputs raise.  ``mtp.last_generation_stats``: per sequence."""
-    if mtp is None:
-        raise ValueError("pass the draft: `generate(..., custom_generate=mtp_decoding, mtp=mtp)`.")
+    check_batch_drafter(mtp)
     if not sampling.graph_safe(logits_processor) or (logits_processor and not generation_config.do_sample):
         extra = [type(p).__name__ for p in logits_processor if type(p) not in sampling.GRAPH_SAFE_WARPERS or
                  not generation_config.do_sample]

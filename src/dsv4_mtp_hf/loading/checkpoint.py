@@ -27,6 +27,7 @@ from .files import (
     read_json_file,
     read_safetensors_header,
     resolve_file,
+    resolve_first,
 )
 
 logger = hf_logging.get_logger(__name__)
@@ -46,12 +47,14 @@ NOT_A_DRAFT_HINT = (
 
 def has_native_mtp_tensors(path_or_repo, hub: dict) -> bool:
     """True if the checkpoint's index (or its single safetensors file) lists native ``mtp.0.*`` tensors."""
-    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
-    if index_path is not None:
-        names = read_json_file(index_path, "weight index").get("weight_map") or {}
+    found = resolve_first(path_or_repo, (INDEX_FILE, SINGLE_FILE), hub)
+    if found is None:
+        return False
+    name, path = found
+    if name == INDEX_FILE:
+        names = read_json_file(path, "weight index").get("weight_map") or {}
     else:
-        single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
-        names = read_safetensors_header(single) if single is not None else {}
+        names = read_safetensors_header(path)
     return any(isinstance(k, str) and k.startswith("mtp.0.") for k in names)
 
 
@@ -115,7 +118,8 @@ def check_saved_files(path_or_repo, kwargs: dict) -> None:
     if kwargs.get("variant") or kwargs.get("use_safetensors") is False or kwargs.get("gguf_file"):
         return
     hub = hub_kwargs(kwargs)
-    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
+    found = resolve_first(path_or_repo, (INDEX_FILE, SINGLE_FILE), hub)
+    index_path = found[1] if found is not None and found[0] == INDEX_FILE else None
     if index_path is not None:
         weight_map = read_json_file(index_path, "weight index").get("weight_map")
         if not isinstance(weight_map, dict):
@@ -123,7 +127,7 @@ def check_saved_files(path_or_repo, kwargs: dict) -> None:
         check_shard_names(weight_map, index_path)
         files = [resolve_file(path_or_repo, s, hub, required=False) for s in sorted(set(weight_map.values()))]
     else:
-        files = [resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)]
+        files = [found[1] if found is not None else None]
     for path in files:
         if path is not None:
             read_safetensors_header(path)

@@ -12,20 +12,23 @@ naming the class to use.
 from __future__ import annotations
 
 from .formats import MtpCheckpointError
-from .files import INDEX_FILE, SINGLE_FILE, hub_kwargs, read_config_dict, read_json_file, read_safetensors_header, resolve_file
+from .files import (INDEX_FILE, SINGLE_FILE, hub_kwargs, read_config_dict, read_json_file, read_safetensors_header,
+                    resolve_first)
 
 MTP, DSPARK = "mtp", "dspark"
 CLASSES = {MTP: "DeepseekV4MtpForCausalLM", DSPARK: "DeepseekV4DSparkForCausalLM"}
 SAVED = {"deepseek_v4_mtp": MTP, "deepseek_v4_dspark": DSPARK}
 
 
-def stored_names(path_or_repo, hub: dict) -> list[str]:
-    """The tensor names a checkpoint's index (or single safetensors file) lists."""
-    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
-    if index_path is not None:
-        return list(read_json_file(index_path, "weight index").get("weight_map") or {})
-    single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
-    return list(read_safetensors_header(single)) if single is not None else []
+def stored_names(path_or_repo, hub: dict) -> list[str] | None:
+    """The tensor names a checkpoint's index (or single safetensors file) lists; None if it has neither file."""
+    found = resolve_first(path_or_repo, (INDEX_FILE, SINGLE_FILE), hub)
+    if found is None:
+        return None
+    name, path = found
+    if name == INDEX_FILE:
+        return list(read_json_file(path, "weight index").get("weight_map") or {})
+    return list(read_safetensors_header(path))
 
 
 def drafter_kind(names, config: dict | None, required: bool = True) -> str | None:
@@ -37,7 +40,7 @@ def drafter_kind(names, config: dict | None, required: bool = True) -> str | Non
         raise MtpCheckpointError(
             "This is a DeepSeek-V4.1 release (model_type 'deepseek_v41'): its DSpark drafter reads other target "
             "layers and has no hc_head, a different drafter that this package does not support yet.")
-    names = set(names)
+    names = set(names or ())
     if not required and not any(n.startswith("mtp.") for n in names):
         return None
     has = lambda suffix: any(n.startswith("mtp.0." + suffix) for n in names)  # noqa: E731
@@ -63,7 +66,13 @@ def release_drafter(path_or_repo, kwargs: dict) -> tuple[str, str]:
     cfg = read_config_dict(path_or_repo, hub) or {}
     if cfg.get("model_type") in SAVED:
         return "saved", SAVED[cfg["model_type"]]
-    return "release", drafter_kind(stored_names(path_or_repo, hub), cfg)
+    names = stored_names(path_or_repo, hub)
+    if names is None:
+        raise MtpCheckpointError(
+            f"{path_or_repo} has no weights: neither {INDEX_FILE} nor {SINGLE_FILE}. A drafter loads from a "
+            "DeepSeek-V4 release (its config.json, index and the shards holding `mtp.*`) or from a drafter saved "
+            "with save_pretrained; copy or download the missing files.")
+    return "release", drafter_kind(names, cfg)
 
 
 def check_class(cls, kind: str | None) -> None:

@@ -34,6 +34,12 @@ HEAD_PLAIN = {  # under the last block's prefix
     "confidence_head.proj.weight": "confidence.weight",
 }
 SHARED = {"embed.weight": "embed", "head.weight": "head"}
+NAME = "The DSpark drafter (DeepseekV4DSparkForCausalLM)"
+RELEASES_HINT = (
+    "DSpark ships in deepseek-ai/DeepSeek-V4-Flash-0731, -Flash-DSpark and -Pro-DSpark: blocks mtp.0..mtp.N-1 (N = 3), "
+    "`main_proj`/`main_norm` on mtp.0, the head (norm, hc_head, Markov and confidence heads) on the last, all in the "
+    "shard(s) the index names. Download the index and those shards again."
+)
 
 
 def draft_blocks(keys) -> list[int]:
@@ -50,14 +56,51 @@ def build_dspark_plan(model, header: dict, keys: list[str], expert_format_overri
     for i in blocks:
         units += N.block_units(header, f"mtp.{i}.", f"layers.{i}.", model.config, layout, missing)
     units += N.table_units(header, f"mtp.{blocks[-1]}.", "", HEAD_PLAIN, {}, missing)
-    N.raise_missing(missing, layout)
+    N.raise_missing(missing, layout, RELEASES_HINT, NAME)
     return units, layout, fmt, N.unused_keys(keys, units, [(f"mtp.{i}.", layout) for i in blocks])
+
+
+def check_blocks(source: N.NativeSource) -> None:
+    """The release's blocks must be mtp.0 .. mtp.{N-1}: a gap is a block whose tensors the index lost."""
+    blocks = draft_blocks(source.keys)
+    gaps = sorted(set(range(blocks[-1] + 1)) - set(blocks))
+    if gaps:
+        shards = ", ".join(sorted(set(source.shard_of.values())))
+        raise MtpCheckpointError(
+            f"{NAME} in {source.path_or_repo} is incomplete: it stores blocks "
+            f"{', '.join(f'mtp.{i}' for i in blocks)} but no tensor of {', '.join(f'mtp.{i}.*' for i in gaps)} (a "
+            f"release stores every block from mtp.0 to its last). The release keeps its mtp.* tensors in {shards}: "
+            "download that shard and model.safetensors.index.json again.")
+
+
+def check_release_fields(source: N.NativeSource, target_config, overrides: dict) -> None:
+    """The DSpark fields come from the release: absent ones make its config incomplete, and a keyword may not
+    change them (the weights were trained with them; another block size changes every row of the block)."""
+    from ..configuration import DSPARK_FIELDS, REQUIRED_DSPARK_FIELDS
+
+    cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    missing = [k for k in REQUIRED_DSPARK_FIELDS if cfg.get(k) is None and overrides.get(k) is None]
+    if missing:
+        raise MtpCheckpointError(
+            f"{source.path_or_repo} holds DSpark drafter tensors (`mtp.0.main_proj`, ...) but its config.json has no "
+            f"{', '.join(missing)}: the config is incomplete (edited, or re-exported without them). Restore the "
+            "release's config.json, or pass the release's values to DeepseekV4DSparkForCausalLM.from_pretrained "
+            "(DeepSeek-V4-Flash-0731: `dspark_block_size=5, dspark_target_layer_ids=[40, 41, 42]`).")
+    changed = [k for k in DSPARK_FIELDS if k in overrides and cfg.get(k) is not None and overrides[k] != cfg[k]]
+    if changed:
+        raise MtpCheckpointError(
+            "DeepseekV4DSparkForCausalLM takes " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + " from the "
+            f"release, not {', '.join(f'{k}={overrides[k]!r}' for k in changed)}: the drafter's weights were trained "
+            "with the release's values (its block is non-causal: another block size changes every draft). Drop the "
+            "keyword; to verify fewer drafts per round, pass `num_assistant_tokens=k` to generate.")
 
 
 def plan_dspark_model(cls, source: N.NativeSource, target_config, overrides: dict, dtype: torch.dtype):
     """Plan and check the load before any data is read -> (meta model, units, expert layout, format, shapes)."""
     from ..configuration import DeepseekV4DSparkConfig
 
+    check_blocks(source)
+    check_release_fields(source, target_config, overrides)
     overrides = {**overrides, "num_draft_layers": len(draft_blocks(source.keys))}
     probe = DeepseekV4DSparkConfig.from_target_config(target_config, **overrides)
     with torch.device("meta"):
@@ -79,12 +122,7 @@ def load_native_dspark(cls, path_or_repo, *, target_model=None, **kwargs):
     """Build ``cls`` (``DeepseekV4DSparkForCausalLM``) from a DeepSeek-V4 DSpark release."""
     from transformers import DeepseekV4Config
 
-    from ..configuration import DeepseekV4DSparkConfig, DeepseekV4DraftConfig
-
-    own = DeepseekV4DSparkConfig.field_names() - DeepseekV4DraftConfig.field_names()
-    extra = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
-    opts = N.load_options(kwargs)
-    opts.overrides.update(extra)
+    opts = N.load_options(kwargs, cls)
     source = N.read_native_source(path_or_repo, opts.hub, prefix="mtp.")
     target_config = opts.config if opts.config is not None else DeepseekV4Config.from_pretrained(path_or_repo, **opts.hub)
     dtype = N.resolve_dtype(opts.dtype, source.config_dict)
@@ -107,7 +145,8 @@ def read_shared_modules(path_or_repo, hub: dict, dtype: torch.dtype, device) -> 
                                  "release's embedding and lm head. Pass `target_model=` instead.")
     tensors = {}
     for name in SHARED:
-        path = single if single is not None else resolve_file(path_or_repo, weight_map[name], hub)
+        held = f"it holds {name}, read when no `target_model=` is given"
+        path = single if single is not None else resolve_file(path_or_repo, weight_map[name], hub, what=held)
         with safe_open(path, framework="pt", device="cpu") as f:
             tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     vocab, hidden = tensors["embed.weight"].shape

@@ -29,14 +29,98 @@ def hub_kwargs(kwargs: dict) -> dict:
     return {k: kwargs[k] for k in HUB_KWARGS if kwargs.get(k) is not None}
 
 
-def resolve_file(path_or_repo, filename: str, hub: dict, required: bool = True) -> str | None:
-    """Local folder or Hub repo (downloaded into / read from the HF cache, offline-aware)."""
+ABSENT, UNREACHABLE = "absent", "unreachable"
+
+
+def lookup(path_or_repo, filename: str, hub: dict) -> tuple[str | None, str | None]:
+    """-> (local path, None), or (None, ``ABSENT``: the checkpoint has no such file), or (None, ``UNREACHABLE``:
+    a Hub repo's file that is not in the local cache and could not be fetched -- offline, or no network).  The two
+    must not be confused: an unreachable index read as absent would report "no drafter in this checkpoint"."""
     from transformers.utils.hub import cached_file
 
-    return cached_file(
-        path_or_repo, filename, _raise_exceptions_for_missing_entries=required,
-        _raise_exceptions_for_connection_errors=required, **hub,
-    )
+    if os.path.isdir(path_or_repo):
+        path = os.path.join(path_or_repo, hub.get("subfolder") or "", filename)
+        return (path, None) if os.path.isfile(path) else (None, ABSENT)
+    if _looks_like_a_path(path_or_repo):
+        raise MtpCheckpointError(f"{path_or_repo}: no such local directory (and it is not a Hub repo id, "
+                                 "`org/name`). Check the path.")
+    try:  # both flags on: a missing entry and a connection error then raise differently
+        path = cached_file(path_or_repo, filename, _raise_exceptions_for_missing_entries=True,
+                           _raise_exceptions_for_connection_errors=True, **hub)
+    except OSError as e:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        if isinstance(e.__cause__, LocalEntryNotFoundError):  # offline or no network, and not cached
+            return None, (ABSENT if _known_absent(path_or_repo, filename, hub) else UNREACHABLE)
+        if e.__cause__ is None and e.__context__ is None and e.errno is None:  # "does not appear to have a file"
+            return None, ABSENT
+        raise  # unknown repo, gated repo, bad revision, HTTP error: transformers' message names it
+    return (path, None) if path is not None else (None, ABSENT)  # a missing config.json comes back as None
+
+
+def _looks_like_a_path(path_or_repo) -> bool:
+    s = os.fspath(path_or_repo)
+    return os.path.isabs(s) or s.startswith((".", "~")) or s.count("/") > 1 or "\\" in s
+
+
+def _known_absent(repo: str, filename: str, hub: dict) -> bool:
+    """The Hub cache remembers files a repo lacks (``.no_exist``): offline, those are absent, not unreachable."""
+    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
+
+    name = f"{hub['subfolder']}/{filename}" if hub.get("subfolder") else filename
+    found = try_to_load_from_cache(repo, name, cache_dir=hub.get("cache_dir"), revision=hub.get("revision"))
+    return found is _CACHED_NO_EXIST
+
+
+def unreachable_error(path_or_repo, filenames, hub: dict) -> MtpCheckpointError:
+    """Offline or no network, and the files are not in the local cache: say so, and how to get them."""
+    from huggingface_hub import constants
+
+    offline = hub.get("local_files_only") or constants.HF_HUB_OFFLINE
+    why = ("offline mode is on (HF_HUB_OFFLINE=1 or local_files_only=True)" if offline else
+           "the Hugging Face Hub cannot be reached (no network?)")
+    cache = hub.get("cache_dir") or constants.HF_HUB_CACHE
+    return MtpCheckpointError(
+        f"Cannot read {' / '.join(filenames)} of {path_or_repo}: {why}, and it is not in the local cache ({cache}). "
+        f"Download it once with network access (`hf download {path_or_repo}`, or load it online: only the config, "
+        "the index and the shards holding `mtp.*` are fetched), point `cache_dir=` / HF_HOME at the cache that holds "
+        f"it, or pass the release's local directory (if {path_or_repo} is meant as one: there is no directory there).")
+
+
+def resolve_file(path_or_repo, filename: str, hub: dict, required: bool = True, what: str = "") -> str | None:
+    """A checkpoint file's local path (a Hub repo's downloaded into / read from the HF cache).  Absent: None, or
+    (``required``) an error naming the file (``what``: what it holds).  Unreachable: always an error."""
+    path, state = lookup(path_or_repo, filename, hub)
+    if state == UNREACHABLE:
+        raise unreachable_error(path_or_repo, [filename], hub)
+    if path is None and required:
+        raise missing_file_error(path_or_repo, filename, what)
+    return path
+
+
+def resolve_first(path_or_repo, filenames, hub: dict) -> tuple[str, str] | None:
+    """(name, path) of the first of ``filenames`` the checkpoint has (index, then single file), None if it has none.
+    A file that could not be fetched counts only when no later one is there (a single-file repo has no index)."""
+    unreachable = []
+    for name in filenames:
+        path, state = lookup(path_or_repo, name, hub)
+        if path is not None:
+            return name, path
+        if state == UNREACHABLE:
+            unreachable.append(name)
+    if unreachable:
+        raise unreachable_error(path_or_repo, unreachable, hub)
+    return None
+
+
+def missing_file_error(path_or_repo, filename: str, what: str = "") -> MtpCheckpointError:
+    held = f" ({what})" if what else ""
+    if os.path.isdir(path_or_repo):
+        return MtpCheckpointError(
+            f"{filename}{held} is missing from the local directory {path_or_repo}: the copy is incomplete. Copy that "
+            "file from the release again (e.g. `hf download <repo> " + filename + " --local-dir <dir>`).")
+    return MtpCheckpointError(f"The Hub repo {path_or_repo} has no {filename}{held}: check the repo id and "
+                              "`revision=`.")
 
 
 def read_json_file(path: str, what: str) -> dict:
@@ -55,6 +139,7 @@ def read_json_file(path: str, what: str) -> dict:
 
 
 def read_config_dict(path_or_repo, hub: dict) -> dict | None:
+    """config.json as a dict, None if the checkpoint has none (an unreachable one raises)."""
     path = resolve_file(path_or_repo, CONFIG_FILE, hub, required=False)
     return None if path is None else read_json_file(path, "config file")
 
@@ -90,20 +175,19 @@ def check_shard_names(weight_map: dict, index_path: str) -> None:
 def read_weight_map(path_or_repo, hub: dict) -> tuple[dict[str, str], str | None]:
     """(tensor name -> shard file, the path of a single-file checkpoint or None) from the index, or from
     ``model.safetensors`` when there is no index."""
-    index_path = resolve_file(path_or_repo, INDEX_FILE, hub, required=False)
-    if index_path is not None:
-        weight_map = read_json_file(index_path, "weight index").get("weight_map") or {}
-        if not isinstance(weight_map, dict):
-            raise MtpCheckpointError(f"The weight index {index_path} has a `weight_map` that is not an object: corrupt.")
-        check_shard_names(weight_map, index_path)
-        return weight_map, None
-    single = resolve_file(path_or_repo, SINGLE_FILE, hub, required=False)
-    if single is None:
+    found = resolve_first(path_or_repo, (INDEX_FILE, SINGLE_FILE), hub)
+    if found is None:
         raise MtpCheckpointError(
-            f"{path_or_repo} has neither {INDEX_FILE} nor {SINGLE_FILE} (or they could not be fetched): "
-            "not a safetensors DeepSeek-V4 release."
+            f"{path_or_repo} has neither {INDEX_FILE} nor {SINGLE_FILE}: not a safetensors DeepSeek-V4 release."
         )
-    return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
+    name, path = found
+    if name == SINGLE_FILE:
+        return dict.fromkeys(read_safetensors_header(path), SINGLE_FILE), path
+    weight_map = read_json_file(path, "weight index").get("weight_map") or {}
+    if not isinstance(weight_map, dict):
+        raise MtpCheckpointError(f"The weight index {path} has a `weight_map` that is not an object: corrupt.")
+    check_shard_names(weight_map, path)
+    return weight_map, None
 
 
 REDOWNLOAD = "Download it again (or restore it from the release / re-save the model)."

@@ -221,12 +221,14 @@ def unused_keys(keys, units: list[Unit], blocks: list[tuple[str, F.ExpertLayout]
     return [k for k in keys if k not in used and k not in ignored and not SHARED_DUPLICATES.match(k)]
 
 
-def raise_missing(missing: list[str], layout: F.ExpertLayout) -> None:
+def raise_missing(missing: list[str], layout: F.ExpertLayout, hint: str = RELEASES_HINT,
+                  what: str = "The MTP layer (DeepseekV4MtpForCausalLM)") -> None:
+    """``what``: the drafter, by its class name; ``hint``: where a complete one ships."""
     if missing:
         shown = ", ".join(missing[:12]) + (", ..." if len(missing) > 12 else "")
         raise MtpCheckpointError(
-            f"The MTP layer in this checkpoint is incomplete: {len(missing)} required tensor(s) are missing "
-            f"(expert layout detected: {layout.name}): {shown}. {RELEASES_HINT}"
+            f"{what} in this checkpoint is incomplete: {len(missing)} required tensor(s) are missing "
+            f"(expert layout detected: {layout.name}): {shown}. {hint}"
         )
 
 
@@ -438,10 +440,9 @@ class LoadOptions:
     hub: dict
 
 
-def load_options(kwargs: dict) -> LoadOptions:
-    """``from_pretrained``'s keywords for a native load; unknown ones raise."""
-    from ..configuration import DeepseekV4MtpConfig
-
+def load_options(kwargs: dict, cls) -> LoadOptions:
+    """``from_pretrained``'s keywords for a native load of the drafter class ``cls``; unknown ones (another
+    drafter's config fields included) raise."""
     hub = hub_kwargs(kwargs)
     dtype = kwargs.pop("dtype", None)
     torch_dtype = kwargs.pop("torch_dtype", None)
@@ -449,10 +450,11 @@ def load_options(kwargs: dict) -> LoadOptions:
     for k in HUB_KWARGS + IGNORED_KWARGS:
         kwargs.pop(k, None)
     config = kwargs.pop("config", None)
-    fields = DeepseekV4MtpConfig.field_names()
+    fields = cls.config_class.field_names()
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
     if kwargs:
-        raise TypeError(f"Unexpected keyword argument(s) for loading a native DeepSeek-V4 MTP: {sorted(kwargs)}.")
+        raise TypeError(f"Unexpected keyword argument(s) for loading {cls.__name__} from a DeepSeek-V4 release: "
+                        f"{sorted(kwargs)} (its config fields and from_pretrained's loading keywords are accepted).")
     return LoadOptions(dtype if dtype is not None else torch_dtype, device_map, config, overrides, hub)
 
 
@@ -472,8 +474,9 @@ def read_native_source(path_or_repo, hub: dict, prefix: str = MTP_PREFIX) -> Nat
         logger.warning(f"Ignoring MTP layer(s) mtp.{others} in {path_or_repo}: only {prefix.rstrip('.')} is used.")
         keys = [k for k in keys if k.startswith(prefix)]
     shard_of = {k: weight_map[k] for k in keys}
-    shard_paths = {s: (single if single is not None else resolve_file(path_or_repo, s, hub))
-                   for s in sorted(set(shard_of.values()))}
+    shard_paths = {s: (single if single is not None else resolve_file(
+        path_or_repo, s, hub, what=f"the index places the drafter's `{prefix}*` tensors in it"))
+        for s in sorted(set(shard_of.values()))}
     header: dict = {}
     for s, p in shard_paths.items():
         h = read_safetensors_header(p)
@@ -631,7 +634,7 @@ def load_native_mtp(cls, path_or_repo, *, target_model=None, **kwargs):
     """Build ``cls`` (``DeepseekV4MtpForCausalLM``) from an original DeepSeek-V4 release."""
     from transformers import DeepseekV4Config
 
-    opts = load_options(kwargs)
+    opts = load_options(kwargs, cls)
     check_class(cls, drafter_kind(stored_names(path_or_repo, opts.hub), read_config_dict(path_or_repo, opts.hub),
                                   required=False))
     source = read_native_source(path_or_repo, opts.hub)  # 1. config, index, headers of the MTP shards
