@@ -42,8 +42,9 @@ def decode_step(block, state, streams, ids, pe, length):
 class Pair:
     """A tiny float32 target, transformers' rollback cache over it and our blocks with one sequence's state."""
 
-    def __init__(self, seed: int, overrides: dict, capacity: int, packed: bool = False):
+    def __init__(self, seed: int, overrides: dict, capacity: int, packed: bool = False, device: str = "cpu"):
         self.target, _ = tiny_pair(seed=seed % 1000, target_overrides=overrides)
+        self.target.to(device)
         if packed:  # the release's formats: FP8 projections, packed FP4 experts (ours: one mtp_moe)
             quantize_fp8_linears(self.target)
             pack_fp4_experts(self.target)
@@ -58,7 +59,7 @@ class Pair:
         self.blocks = [DeepseekV4Block.of_target_layer(layer, self.config) for layer in self.layers]
         self.cache = RollbackDeepseekV4Cache(self.config, max_rollback=K)
         self.state = BatchedTargetState(self.config, 1, K, capacity=capacity)
-        self.state.allocate(torch.float32, [torch.device("cpu")] * len(self.layers))
+        self.state.allocate(torch.float32, [torch.device(device)] * len(self.layers))
         self.runner = RaggedTargetForward(self.target, attention="per_sequence")  # its mask is transformers'
         self.picked: dict[str, list] = {"transformers": [], "ours": []}
         self.side = "transformers"
@@ -75,7 +76,7 @@ class Pair:
         """Both paths on ``n`` new rows, layer by layer (each fed transformers' previous output); -> each
         layer's relative difference."""
         n, model = ids.shape[1], self.target.model
-        positions = torch.arange(self.length, self.length + n)[None]
+        positions = torch.arange(self.length, self.length + n, device=ids.device)[None]
         pe = {k: model.rotary_emb(streams, position_ids=positions, layer_type=k) for k in ("main", "compress")}
         mask = self.runner._mask(streams[:, :, 0], self.cache, positions)
         kw = {self.runner._attn_cache_kw: self.cache}
@@ -85,7 +86,8 @@ class Pair:
             want = layer(streams, input_ids=ids, position_embeddings=pe, position_ids=positions, attention_mask=mask,
                          **kw)
             self.side = "ours"
-            got = decode_step(block, self.state.layers[i], streams, ids, pe, torch.tensor([self.length]))
+            length = torch.tensor([self.length], device=ids.device)
+            got = decode_step(block, self.state.layers[i], streams, ids, pe, length)
             rel.append(float((got - want).norm() / want.norm()))
             streams = want
         self.state.advance(0, n)
@@ -112,18 +114,18 @@ class Pair:
         return count
 
 
-def _run(seed, margins, overrides, steps, packed=False):
+def _run(seed, margins, overrides, steps, packed=False, device="cpu", tol=1e-5):
     rng = random.Random(seed)
-    pair = Pair(seed, overrides, capacity=(K + 1) * steps + 1, packed=packed)
+    pair = Pair(seed, overrides, capacity=(K + 1) * steps + 1, packed=packed, device=device)
     margins.watch(pair.target)
     g = torch.Generator().manual_seed(seed)
     worst, entries = 0.0, 0
     for step in range(steps):
         n = rng.randint(1, K + 1)
-        streams = torch.randn(1, n, pair.config.hc_mult, pair.config.hidden_size, generator=g)
-        ids = torch.randint(3, pair.config.vocab_size, (1, n), generator=g)
+        streams = torch.randn(1, n, pair.config.hc_mult, pair.config.hidden_size, generator=g).to(device)
+        ids = torch.randint(3, pair.config.vocab_size, (1, n), generator=g).to(device)
         rel = pair.step(streams, ids)
-        assert max(rel) <= 1e-5, f"seed={seed} step {step} ({n} rows at {pair.length - n}): relative differences {rel}"
+        assert max(rel) <= tol, f"seed={seed} step {step} ({n} rows at {pair.length - n}): relative differences {rel}"
         worst = max(worst, *rel)
         entries += pair.entries_match()
         want, got = pair.picked["transformers"], pair.picked["ours"]
@@ -147,6 +149,12 @@ def test_our_block_is_transformers_decoder_layer_through_steps_windows_and_rollb
         assert pair.length // rates["heavily_compressed_attention"] >= 2, "the case must close HCA windows"
 
     draw_until_clear(attempt)
+
+
+@pytest.mark.gpu
+def test_our_block_on_cuda_is_transformers_decoder_layer():
+    """The same on CUDA in float32 (our ops' CUDA registrations, transformers' layer on the same GPU)."""
+    draw_until_clear(lambda seed, margins: _run(seed, margins, SMALL_RATES, 30, device="cuda", tol=1e-4))
 
 
 @pytest.mark.tf_internals
@@ -175,7 +183,8 @@ def test_compiled_step_computes_the_eager_step_and_writes_the_state_in_place(bac
             x = torch.randn(1, n, pair.config.hc_mult, pair.config.hidden_size, generator=g)
             ids = torch.randint(3, 320, (1, n), generator=g)
             positions = torch.arange(pair.length, pair.length + n)[None]
-            pe = {k: pair.target.model.rotary_emb(x, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+            pe = {k: pair.target.model.rotary_emb(x, position_ids=positions, layer_type=k)
+                  for k in ("main", "compress")}
             for i in (0, 1, 2):  # CSA (hash-routed), HCA, sliding
                 before = [t.clone() for t in buffers]
                 eager = decode_step(pair.blocks[i], pair.state.layers[i], x, ids, pe, length)

@@ -52,7 +52,8 @@ class CompressedAttention(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.num_heads, self.head_dim, self.o_groups = config.num_attention_heads, config.head_dim, config.o_groups
-        self.window, self.scale, self.eps, self.rope_type = config.sliding_window, attn.scaling, eps, attn.rope_layer_type
+        self.window, self.scale, self.eps = config.sliding_window, attn.scaling, eps
+        self.rope_type = attn.rope_layer_type
         self.q_a_proj, self.q_b_proj, self.kv_proj = attn.q_a_proj, attn.q_b_proj, attn.kv_proj
         self.o_a_proj, self.o_b_proj, self.sinks = attn.o_a_proj, attn.o_b_proj, attn.sinks
         self.q_a_norm, self.kv_norm = RMSNorm.of(attn.q_a_norm, eps), RMSNorm.of(attn.kv_norm, eps)
@@ -88,8 +89,8 @@ class CompressedAttention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor.step(raw[0], raw[1], state.streams["compressor"], length)
             if self.indexer is None:  # HCA: every closed entry, causally
-                visible = torch.arange(entries.shape[1], device=x.device) < ((positions + 1) // self.compressor.rate)[:, None]
-                groups.append((entries, visible.unsqueeze(0)))
+                closed = (positions + 1) // self.compressor.rate
+                groups.append((entries, (torch.arange(entries.shape[1], device=x.device) < closed[:, None]).unsqueeze(0)))
             else:
                 index_entries = self.indexer.step(raw[2], raw[3], state.streams["indexer"], length)
                 groups.append(self._selected(index_q, raw[4], index_entries, entries, positions,

@@ -217,7 +217,10 @@ class SparseMoE(nn.Module):
         if shared is None:
             return None
         g, e = self.gate, packed
-        routing = ((None, g.tid2eid, input_ids.reshape(-1)) if self.is_hash else (g.e_score_correction_bias, None, None))
+        if self.is_hash:
+            routing = (None, g.tid2eid, input_ids.reshape(-1))
+        else:
+            routing = (g.e_score_correction_bias, None, None)
         scales = shared[3:] if len(shared) == 6 else (None, None, None)
         return (flat, g.weight, routing[0], self.top_k, self.routed_scaling_factor, True, e.w13_weight, e.w13_scale,
                 e.w13_global, e.w2_weight, e.w2_scale, e.w2_global, e.format.name, e.swiglu_limit, *shared[:3],

@@ -63,10 +63,11 @@ def hash_route_reference(h, weight, tid2eid, input_ids, scaling: float):
 
 def _check_hash(h, weight, tid2eid, input_ids):
     if h.dim() != 2 or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
-        raise ValueError(f"hash_route: h must be [T, D] and weight [E, D], got {tuple(h.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"hash_route: h must be [T, D] and weight [E, D], got {tuple(h.shape)} and "
+                         f"{tuple(weight.shape)}")
     if tid2eid.dim() != 2 or tuple(input_ids.shape) != (h.shape[0],):
-        raise ValueError(f"hash_route: tid2eid must be [V, k] and input_ids [T={h.shape[0]}], got {tuple(tid2eid.shape)} "
-                         f"and {tuple(input_ids.shape)}")
+        raise ValueError(f"hash_route: tid2eid must be [V, k] and input_ids [T={h.shape[0]}], got "
+                         f"{tuple(tid2eid.shape)} and {tuple(input_ids.shape)}")
 
 
 @torch.library.custom_op(f"{LIB}::hash_route", mutates_args=())
