@@ -179,13 +179,13 @@ def test_compiled_step_computes_the_eager_step_and_writes_the_state_in_place(bac
     addresses = [t.data_ptr() for t in buffers]
     length = torch.tensor([pair.length])
     with torch.no_grad():
-        for n in (1, 3):
+        for n, kinds in ((3, (0,)), (1, (1,)), (2, (2,))):  # CSA (hash-routed) with 3 rows, HCA with 1, sliding with 2
             x = torch.randn(1, n, pair.config.hc_mult, pair.config.hidden_size, generator=g)
             ids = torch.randint(3, 320, (1, n), generator=g)
             positions = torch.arange(pair.length, pair.length + n)[None]
             pe = {k: pair.target.model.rotary_emb(x, position_ids=positions, layer_type=k)
                   for k in ("main", "compress")}
-            for i in (0, 1, 2):  # CSA (hash-routed), HCA, sliding
+            for i in kinds:
                 before = [t.clone() for t in buffers]
                 eager = decode_step(pair.blocks[i], pair.state.layers[i], x, ids, pe, length)
                 after = [t.clone() for t in buffers]
