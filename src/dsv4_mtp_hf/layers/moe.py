@@ -89,8 +89,9 @@ class FP4Experts(nn.Module):
 
 def _fp8_block(m: nn.Module) -> bool:
     """An unhooked, ungrouped FP8 block projection (its weight and block scales are all it computes)."""
-    return (m.weight.dtype == torch.float8_e4m3fn and hasattr(m, "weight_scale_inv")
-            and getattr(m, "groups", 1) == 1 and unhooked(m))
+    weight = getattr(m, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
+            and hasattr(m, "weight_scale_inv") and getattr(m, "groups", 1) == 1 and unhooked(m))
 
 
 class SharedExpert(nn.Module):
