@@ -13,7 +13,9 @@ import torch
 
 from dsv4_mtp_hf import DeepseekV4MtpConfig
 from dsv4_mtp_hf.layers.moe import MtpMoE, SharedExpert
-from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu
+from dsv4_mtp_hf.fp8 import decode_block_scale, dequantize_fp8_block, quantize_fp8_block
+from dsv4_mtp_hf.ops.fp4_moe import clamped_swiglu, fp4_moe
+from dsv4_mtp_hf.ops.moe_route import hash_route_reference
 from dsv4_mtp_hf.ops.mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
 
 from .helpers import randomize_, tiny_target_config
@@ -59,6 +61,44 @@ def test_op_is_the_layer_module_math_on_cpu():
     assert torch.equal(routed + shared, moe(x.unsqueeze(0)).squeeze(0))  # CPU: the layer runs its modules
     s = moe.shared_experts
     assert torch.equal(shared_expert(x, s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, s.limit), shared)
+
+
+def target_args(moe: MtpMoE, x: torch.Tensor, seed: int = 0) -> tuple[tuple, tuple]:
+    """``mtp_moe``'s arguments as the target's first layers call it -- hash routing (a random token -> experts
+    table), an FP8 shared expert (the moe's shared weights quantised as a release stores them) -- and the
+    dequantised shared weights ``(w1, w3, w2)``."""
+    g = torch.Generator().manual_seed(seed)
+    e, s = moe.experts, moe.shared_experts
+    tid2eid = torch.randint(0, e.num_experts, (64, moe.gate.top_k), generator=g).to(x.device)
+    ids = torch.randint(0, 64, (x.shape[0],), generator=g).to(x.device)
+    fp8 = [quantize_fp8_block(m.weight) for m in (s.gate_proj, s.up_proj, s.down_proj)]
+    weights, scales = [w for w, _ in fp8], [decode_block_scale(sc).to(x.device) for _, sc in fp8]
+    dense = tuple(dequantize_fp8_block(w, sc, x.dtype) for w, sc in zip(weights, scales))
+    args = (x, moe.gate.weight, None, moe.gate.top_k, moe.gate.routed_scaling_factor, True, e.w13_weight, e.w13_scale,
+            e.w13_global, e.w2_weight, e.w2_scale, e.w2_global, e.format.name, e.swiglu_limit, *weights, *scales,
+            tid2eid, ids)
+    return args, dense
+
+
+@torch.no_grad()
+def test_op_routes_by_token_id_and_runs_an_fp8_shared_expert_on_cpu():
+    """The target's hash-routed layers with a release's FP8 shared expert: the routed half is hash routing + the FP4
+    experts, the shared half the expert on the dequantised weights (an e4m3 weight times its power-of-two scale
+    is exact in bf16)."""
+    moe = make_moe(seed=4)
+    x = torch.randn(5, moe.gate.weight.shape[1], dtype=torch.bfloat16)
+    args, dense = target_args(moe, x, seed=4)
+    routed, shared = mtp_moe(*args)
+    weights, ids = hash_route_reference(x, moe.gate.weight, args[-2], args[-1], moe.gate.routed_scaling_factor)
+    e = moe.experts
+    assert torch.equal(ids, args[-2][args[-1]])
+    assert torch.equal(routed, fp4_moe(x, ids, weights, e.w13_weight, e.w13_scale, e.w13_global, e.w2_weight,
+                                       e.w2_scale, e.w2_global, e.format.name, e.swiglu_limit))
+    torch.testing.assert_close(shared, shared_expert(x, *dense, e.swiglu_limit), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="by score .* or by token id"):
+        mtp_moe(*args[:2], moe.gate.e_score_correction_bias, *args[3:])  # a bias and a table
+    with pytest.raises(ValueError, match="three block scales"):
+        mtp_moe(*args[:17], None, *args[18:])
 
 
 def test_clamped_swiglu_op_on_cpu():
@@ -125,6 +165,20 @@ def test_overlapped_op_equals_sequential_on_cuda(T):
     for got, want in zip(out, seq):
         assert not torch.isnan(got).any() and got.abs().max() > 0
         assert torch.equal(got, want), f"seed={seed}"  # the same kernels, only the launch order differs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+@torch.no_grad()
+def test_overlapped_op_with_hash_routing_and_an_fp8_shared_expert_equals_sequential_on_cuda(T):
+    moe = make_moe("cuda", seed=T, **FLASH)
+    x = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(T))
+    args, _ = target_args(moe, x, seed=T)
+    out = mtp_moe(*args)
+    seq = (mtp_moe_module._routed(*args[:14], *args[20:]), shared_expert(x, *args[14:17], args[13], list(args[17:20])))
+    torch.cuda.synchronize()
+    for got, want in zip(out, seq):
+        assert got.abs().max() > 0 and torch.equal(got, want), f"seed={T}"
 
 
 @pytest.mark.gpu

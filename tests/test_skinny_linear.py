@@ -313,3 +313,43 @@ def test_sum_kernel_matches_reference_on_the_e_h_projection():
         assert float((got.float() - want).norm() / want.norm()) < 1e-2, b
         assert float((got.float() - want).abs().max() / want.abs().max()) < 1e-2, b
         assert torch.equal(skinny_linear_sum_op(x0, wh, x1, we), got)  # the registered kernel, deterministic
+
+
+def test_project_takes_any_number_of_projections_and_calls_the_others():
+    """The target's attention projects its normed row through five to seven modules at once, FP8 ones among
+    them: each output is its module's (CPU: ``F.linear`` per plain weight, the others called)."""
+    g = gen()
+    mods = [nn.Linear(32, n, bias=False) for n in (16, 8, 24, 24, 4)]
+    hooked = nn.Linear(32, 6, bias=False)
+    seen = []
+    hooked.register_forward_hook(lambda m, a, out: seen.append(out))
+    for m in mods + [hooked]:
+        nn.init.normal_(m.weight)
+    x = rand(3, 32, g=g)
+    with torch.no_grad():
+        outs = project(x, mods[0], hooked, *mods[1:])
+    assert len(outs) == 6 and len(seen) == 1 and outs[1] is seen[0]  # the hooked module ran as itself
+    for m, out in zip([mods[0], hooked, *mods[1:]], outs):
+        assert torch.equal(out, F.linear(x, m.weight))
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_many_projections_of_one_row_run_two_to_a_launch_on_cuda(monkeypatch):
+    """A V4-Flash CSA layer's seven projections of its normed row (q_a, kv, the compressor's and the indexer's
+    kv/gate, the indexer's weights): four launches (three pairs, one single), each output F.linear's up to bf16
+    summation order."""
+    g = gen()
+    ws = _weights((1024, 512, 1024, 1024, 256, 256, 64), 4096, torch.bfloat16, g)
+    launches = []
+    for name in ("skinny_linear_cat", "skinny_linear"):
+        real = getattr(sl, name)
+        monkeypatch.setattr(sl, name, lambda *a, real=real, name=name: launches.append(name) or real(*a))
+    for rows in (1, 4):
+        launches.clear()
+        x = rand(rows, 4096, g=g, dtype=torch.bfloat16, device="cuda")
+        outs = sl.linear_weights(x, *ws)
+        assert launches == ["skinny_linear_cat"] * 3 + ["skinny_linear"]
+        for w, out in zip(ws, outs):
+            want = F.linear(x.float(), w.float())
+            assert float((out.float() - want).norm() / want.norm()) < 1e-2, f"seed={SEED}"

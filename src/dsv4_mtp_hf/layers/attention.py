@@ -1,6 +1,8 @@
-"""The MTP layer's attention: shared-KV MQA over a sliding window, with sinks (design §2)."""
+"""The MTP layer's attention: shared-KV MQA over a sliding window, with sinks (design §2); and
+:func:`sink_attention`, the same softmax over any key groups (the target's window and compressed entries)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache import PagedMtpKVCache
@@ -25,6 +27,34 @@ def fp8_roundtrip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     amax = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     s = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
     return ((xb / s).to(torch.float8_e4m3fn).float() * s).flatten(-2).to(x.dtype)
+
+
+def sink_attention(q: torch.Tensor, sinks: torch.Tensor, scale: float,
+                   *groups: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """transformers' eager V4 attention: one K=V head for every query head, a per-head sink logit in the
+    softmax's denominator only.  ``q [b, H, S, d]``; each group ``(keys, visible)`` is keys ``[b, K, d]`` shared
+    by the rows or ``[b, S, K, d]`` per row, and ``visible [b, S, K]``; one softmax over all groups' keys
+    (masked logits ``-inf``; the sink keeps every row finite).  -> ``[b, S, H, d]``."""
+    b, h, s, d = q.shape
+    logits = []
+    for keys, visible in groups:
+        if keys.dim() == 3:  # [b, H * S, d] x [b, d, K]: one K=V head for all query heads, no broadcast copies
+            lg = (torch.bmm(q.reshape(b, h * s, d), keys.transpose(1, 2)) * scale).view(b, h, s, -1)
+        else:
+            lg = (torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)) * scale).transpose(1, 2)
+        logits.append(lg.masked_fill(~visible.unsqueeze(1), float("-inf")))
+    combined = torch.cat(logits + [sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(groups[0][0].dtype)
+    out, at = None, 0
+    for keys, _ in groups:
+        p, at = probs[..., at : at + keys.shape[-2]], at + keys.shape[-2]
+        if keys.dim() == 3:
+            part = torch.bmm(p.reshape(b, h * s, -1), keys).view(b, h, s, d).transpose(1, 2)
+        else:
+            part = torch.matmul(p.transpose(1, 2), keys)
+        out = part if out is None else out + part
+    return out
 
 
 class GroupedOutputProjection(nn.Module):

@@ -34,6 +34,14 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(mixes, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
+    @classmethod
+    def of(cls, hc: nn.Module, rms_eps: float) -> "HyperConnection":
+        """Ours on transformers' ``DeepseekV4HyperConnection``'s own ``fn`` / ``base`` / ``scale`` (no copy)."""
+        with torch.device("meta"):
+            ours = cls(hc.hc_mult, hc.fn.shape[1] // hc.hc_mult, hc.hc_sinkhorn_iters, hc.hc_eps, rms_eps)
+        ours.fn, ours.base, ours.scale = hc.fn, hc.base, hc.scale
+        return ours
+
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (fp32)."""
         return hc_weights(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.rms_eps)

@@ -1,12 +1,12 @@
-"""Dense projections of the MTP: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear``
-on CUDA for a draft step's few rows (design §8; ``ops/skinny_linear.py``).
+"""Dense projections: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear`` on CUDA for a
+decode step's few rows (design §8; ``ops/skinny_linear.py``).
 
-:func:`project` takes one or two bias-free ``nn.Linear`` that read the same input.  Modules
-that are not plain ``nn.Linear`` (hooks, adapters, quantised layers) are called as they are.
-Plain ones on CPU, for dtypes other than bf16, under autograd or for more than ``MAX_ROWS`` rows
-run ``F.linear`` on their weight -- the reference path, unchanged.  Otherwise the projections run
-in one kernel launch and the result is split per module (each output element is the same dot
-product either way).
+:func:`project` takes the bias-free projections that read the same input.  Modules that are not
+plain ``nn.Linear`` (hooks, adapters, quantised layers such as the target's FP8 projections) are
+called as they are.  The plain ones on CPU, for dtypes other than bf16, under autograd or for more
+than ``MAX_ROWS`` rows run ``F.linear`` on their weight -- the reference path, unchanged.  Otherwise
+they run two to a kernel launch and the result is split per module (each output element is the same
+dot product either way).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.skinny_linear import linear_weights, skinny_linear_sum, use_skinny
+from ..ops.skinny_linear import grouped_linear, linear_weights, skinny_linear_sum, use_skinny
 
 
 def unhooked(m: nn.Module) -> bool:
@@ -34,11 +34,28 @@ def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """``linear(x)`` for each module (a tuple when several, the tensor when one)."""
-    if len(linears) <= 2 and all(plain_linear(m) for m in linears):
-        return linear_weights(x, *(m.weight for m in linears))
-    out = tuple(m(x) for m in linears)
+    """``linear(x)`` for each module (a tuple when several, the tensor when one): the plain ones together
+    (:func:`~dsv4_mtp_hf.ops.skinny_linear.linear_weights`), the others each called."""
+    plain = [i for i, m in enumerate(linears) if plain_linear(m)]
+    out = [None] * len(linears)
+    if plain:
+        ys = linear_weights(x, *(linears[i].weight for i in plain))
+        for i, y in zip(plain, ys if len(plain) > 1 else (ys,)):
+            out[i] = y
+    out = tuple(m(x) if y is None else y for m, y in zip(linears, out))
     return out[0] if len(out) == 1 else out
+
+
+def project_grouped(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """V4's grouped output projection ``o_a`` on ``x [..., G, K]`` -> ``[..., G * N]``: group g's rows of the
+    weight read ``x[..., g, :]``.  A plain bias-free ``nn.Linear`` with ``n_groups`` (transformers'
+    ``DeepseekV4GroupedLinear``) runs :func:`~dsv4_mtp_hf.ops.skinny_linear.grouped_linear` on its weight;
+    other modules (ours, FP8) are called, a ``[..., G, N]`` result flattened."""
+    groups = getattr(linear, "n_groups", None)
+    if groups and isinstance(linear, nn.Linear) and linear.bias is None and unhooked(linear):
+        return grouped_linear(x, linear.weight, groups)
+    out = linear(x)
+    return out.flatten(-2) if out.dim() == x.dim() else out
 
 
 def project_sum(x0: torch.Tensor, m0: nn.Module, x1: torch.Tensor, m1: nn.Module) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""The MTP layer's MoE (design §2): sqrtsoftplus router, packed FP4 routed experts, one
-shared expert.  Hash routing exists only in the target's first layers, never here."""
+"""The V4 MoE (design §2): sqrtsoftplus router, packed FP4 routed experts, one shared expert.
+:class:`MtpMoE` is the drafters' (its own weights); :class:`SparseMoE` runs the target's MoE block on
+its own modules, with the hash routing of its first layers."""
 
 import torch
 from torch import nn
 
 from .. import fp4
 from ..ops.fp4_moe import clamped_swiglu, fp4_moe
-from ..ops.moe_route import moe_route
+from ..ops.moe_route import hash_route, moe_route
 from ..ops.mtp_moe import mtp_moe
 from .linear import plain_linear, project, unhooked
 
@@ -86,6 +87,13 @@ class FP4Experts(nn.Module):
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, format={self.format.name}"
 
 
+def _fp8_block(m: nn.Module) -> bool:
+    """An unhooked, ungrouped FP8 block projection (its weight and block scales are all it computes)."""
+    weight = getattr(m, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
+            and hasattr(m, "weight_scale_inv") and getattr(m, "groups", 1) == 1 and unhooked(m))
+
+
 class SharedExpert(nn.Module):
     """SwiGLU with V4's asymmetric clamp: gate clipped above only, up clipped both ways."""
 
@@ -97,9 +105,26 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
 
+    @classmethod
+    def of(cls, mlp: nn.Module, limit: float) -> "SharedExpert":
+        """Ours on another shared expert's projections (transformers' ``DeepseekV4MLP``: ``nn.Linear`` or FP8
+        modules), referenced, not copied."""
+        ours = cls.__new__(cls)
+        nn.Module.__init__(ours)
+        ours.limit, ours.gate_proj, ours.up_proj, ours.down_proj = limit, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        return ours
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)  # one launch on CUDA for a few rows
         return project(clamped_swiglu(gate, up, self.limit).to(x.dtype), self.down_proj)
+
+    def fp8_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """``(w1, w3, w2, s1, s3, s2)`` when the expert is three unhooked FP8 block projections (a release's,
+        ``target_runtime/fp8_linears.py``) and no gradient is wanted, else None."""
+        mods = (self.gate_proj, self.up_proj, self.down_proj)
+        if not (unhooked(self) and all(_fp8_block(m) for m in mods)) or torch.is_grad_enabled() and x.requires_grad:
+            return None
+        return tuple(m.weight for m in mods) + tuple(m.weight_scale_inv for m in mods)
 
     def plain_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(w1, w3, w2)`` when the expert is three plain bias-free ``nn.Linear`` and no gradient
@@ -145,3 +170,59 @@ class MtpMoE(nn.Module):
         if torch.is_grad_enabled() and (flat.requires_grad or self.gate.weight.requires_grad):
             return None
         return self.shared_experts.plain_weights(flat)
+
+
+class SparseMoE(nn.Module):
+    """The target's MoE block (transformers' ``DeepseekV4SparseMoeBlock``) on its own modules, referenced: the
+    router (score-routed, or by token id in the first ``hash_moe`` layers: ``tid2eid[input_ids]``), the routed
+    experts and the shared expert.  Packed FP4 experts (``experts.fp4``, ``pack_fp4_experts``) with a plain or
+    FP8 shared expert run as one ``dsv4_mtp::mtp_moe`` (the shared expert beside the routed half on CUDA);
+    otherwise the routing ops, the experts module's own implementation and the shared expert."""
+
+    def __init__(self, mlp: nn.Module, config):
+        super().__init__()
+        self.gate, self.experts = mlp.gate, mlp.experts
+        self.shared_experts = SharedExpert.of(mlp.shared_experts, config.swiglu_limit)
+        self.is_hash = bool(getattr(mlp, "is_hash", False))
+        self.top_k, self.routed_scaling_factor = config.num_experts_per_tok, config.routed_scaling_factor
+
+    def route(self, flat: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights ``[T, k]`` fp32, expert ids ``[T, k]``), as transformers' router picks them (in fp32)."""
+        g = self.gate
+        if self.is_hash:
+            return hash_route(flat, g.weight, g.tid2eid, input_ids.reshape(-1), self.routed_scaling_factor)
+        return moe_route(flat, g.weight, g.e_score_correction_bias, self.top_k, self.routed_scaling_factor, True)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``h [..., D]`` (the normed collapsed streams), ``input_ids`` its tokens ``[...]``."""
+        flat = h.reshape(-1, h.shape[-1])
+        fused = self._fused_args(flat, input_ids)
+        if fused is not None:
+            routed, shared = mtp_moe(*fused)
+            return (routed + shared).view_as(h)
+        weights, ids = self.route(flat, input_ids)
+        # transformers' routers hand the experts weights in the activations' dtype
+        return self.experts(flat, ids, weights.to(flat.dtype)).view_as(h) + self.shared_experts(h)
+
+    def _fused_args(self, flat: torch.Tensor, input_ids: torch.Tensor) -> tuple | None:
+        """``dsv4_mtp::mtp_moe``'s arguments when it computes exactly what the modules would: packed experts, a
+        plain or FP8 shared expert, no hooks on the experts (a hook must still fire), no gradient wanted; else None.
+        The router module is never called (its weights are routed by our ops, in fp32) on either path."""
+        packed = getattr(self.experts, "fp4", None)
+        if packed is None or not (unhooked(self.experts) and unhooked(packed)):
+            return None
+        if torch.is_grad_enabled() and (flat.requires_grad or self.gate.weight.requires_grad):
+            return None
+        s = self.shared_experts
+        shared = s.plain_weights(flat) or s.fp8_weights(flat)
+        if shared is None:
+            return None
+        g, e = self.gate, packed
+        if self.is_hash:
+            routing = (None, g.tid2eid, input_ids.reshape(-1))
+        else:
+            routing = (g.e_score_correction_bias, None, None)
+        scales = shared[3:] if len(shared) == 6 else (None, None, None)
+        return (flat, g.weight, routing[0], self.top_k, self.routed_scaling_factor, True, e.w13_weight, e.w13_scale,
+                e.w13_global, e.w2_weight, e.w2_scale, e.w2_global, e.format.name, e.swiglu_limit, *shared[:3],
+                *scales, routing[1], routing[2])

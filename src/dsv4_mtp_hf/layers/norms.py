@@ -10,16 +10,29 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` in fp32, rounded once to x's dtype (transformers' ``DeepseekV4RMSNorm``)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
         self.eps = eps
 
+    @classmethod
+    def of(cls, norm: nn.Module, eps: float) -> "RMSNorm":
+        """Ours on another norm's ``weight`` (transformers' ``DeepseekV4RMSNorm``): the same Parameter, no copy."""
+        with torch.device("meta"):
+            ours = cls(norm.weight.shape[0], eps)
+        ours.weight = norm.weight
+        return ours
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -2,9 +2,11 @@
 
 from ._kernels import inductor_options
 from .argmax import argmax_last
+from .compressor import compressor_step, compressor_step_reference
 from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_cuda_kernels
 from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
-from .moe_route import moe_route, moe_route_reference
+from .indexer import indexer_topk, indexer_topk_reference
+from .moe_route import hash_route, hash_route_reference, moe_route, moe_route_reference
 from .mtp_moe import clamped_swiglu_op, mtp_moe, shared_expert
 from .sinkhorn import sinkhorn, sinkhorn_op, sinkhorn_reference
 from .skinny_linear import (
@@ -20,7 +22,8 @@ from .skinny_linear import (
 )
 
 __all__ = [
-    "argmax_last", "inductor_options", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
+    "argmax_last", "compressor_step", "compressor_step_reference", "hash_route", "hash_route_reference",
+    "indexer_topk", "indexer_topk_reference", "inductor_options", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
     "clamped_swiglu_op", "mtp_moe", "shared_expert",
     "sinkhorn", "sinkhorn_op", "sinkhorn_reference", "skinny_linear", "skinny_linear_cat", "skinny_linear_cat_op",

@@ -6,6 +6,11 @@ that is a weight cast, an fp32 GEMM, a softplus/sqrt kernel and a two-kernel ``t
 about 20 us and five graph nodes per draft step at batch 1.  The CUDA registration
 (``ops/triton/moe_route_triton.py``) reads the bf16 gate once and selects in registers, in
 one launch.  The reference below is the source of truth (CPU, autograd).
+
+``dsv4_mtp::hash_route`` is the target's first layers' routing (``mlp_layer_types == "hash_moe"``,
+transformers' ``DeepseekV4HashRouter``): the experts are a frozen table's row for the token id, the
+weights the same fp32 scores at those experts, renormalised and scaled.  No CUDA kernel yet: under
+``torch.compile`` its reference is traced (:func:`hash_route`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,46 @@ def moe_route(h, weight, bias, top_k: int, scaling: float, normalize: bool):
     if h.is_cuda and h.dim() == 2 and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         return moe_route_op(h.contiguous(), weight, bias, top_k, scaling, normalize)
     return moe_route_reference(h, weight, bias, top_k, scaling, normalize)
+
+
+def hash_route_reference(h, weight, tid2eid, input_ids, scaling: float):
+    """h ``[T, D]``, ``tid2eid [V, k]``, ``input_ids [T]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64)."""
+    scores = F.softplus(F.linear(h.float(), weight.float())).sqrt()
+    ids = tid2eid[input_ids].long()
+    weights = scores.gather(-1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling, ids
+
+
+def _check_hash(h, weight, tid2eid, input_ids):
+    if h.dim() != 2 or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"hash_route: h must be [T, D] and weight [E, D], got {tuple(h.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if tid2eid.dim() != 2 or tuple(input_ids.shape) != (h.shape[0],):
+        raise ValueError(f"hash_route: tid2eid must be [V, k] and input_ids [T={h.shape[0]}], got "
+                         f"{tuple(tid2eid.shape)} and {tuple(input_ids.shape)}")
+
+
+@torch.library.custom_op(f"{LIB}::hash_route", mutates_args=())
+def hash_route_op(h: torch.Tensor, weight: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every device: the reference math (no CUDA kernel yet)."""
+    _check_hash(h, weight, tid2eid, input_ids)
+    return hash_route_reference(h, weight, tid2eid, input_ids, scaling)
+
+
+@hash_route_op.register_fake
+def _(h, weight, tid2eid, input_ids, scaling):
+    _check_hash(h, weight, tid2eid, input_ids)
+    t, k = h.shape[0], tid2eid.shape[1]
+    return h.new_empty(t, k, dtype=torch.float32), h.new_empty(t, k, dtype=torch.long)
+
+
+def hash_route(h, weight, tid2eid, input_ids, scaling: float):
+    """Hash routing (module docstring).  The op outside autograd; under ``torch.compile`` (and under autograd) the
+    reference itself."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        return hash_route_reference(h, weight, tid2eid, input_ids, scaling)
+    return hash_route_op(h, weight, tid2eid, input_ids, scaling)
 
 
 def register_cuda_kernels() -> bool:

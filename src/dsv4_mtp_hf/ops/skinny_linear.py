@@ -182,14 +182,18 @@ def use_skinny(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def linear_weights(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``F.linear(x, w)`` for each bias-free weight (a tuple when several, the tensor when one):
-    one or two weights in one ``skinny_linear`` / ``skinny_linear_cat`` launch where
-    :func:`use_skinny` holds, ``F.linear`` per weight otherwise (same dot products either way)."""
-    if len(weights) > 2 or not use_skinny(x, *weights):
+    where :func:`use_skinny` holds, the weights in order two at a time, each pair one ``skinny_linear_cat``
+    launch (the kernel streams at most two weights) and a last odd one a ``skinny_linear``; ``F.linear`` per
+    weight otherwise (same dot products either way)."""
+    if not use_skinny(x, *weights):
         out = tuple(F.linear(x, w) for w in weights)
-    elif len(weights) == 1:
-        out = (skinny_linear(x, weights[0]),)
     else:
-        out = tuple(skinny_linear_cat(x, weights).split([w.shape[0] for w in weights], -1))
+        out = ()
+        for pair in (weights[i : i + 2] for i in range(0, len(weights), 2)):
+            if len(pair) == 1:
+                out += (skinny_linear(x, pair[0]),)
+            else:
+                out += tuple(skinny_linear_cat(x, pair).split([w.shape[0] for w in pair], -1))
     return out[0] if len(out) == 1 else out
 
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
+from ..layers.attention import sink_attention
 from .rollback_cache import CacheRollbackError
 
 __all__ = ["BatchedTargetState", "BatchedSequence"]
@@ -338,6 +338,22 @@ class BatchedTargetState:
         self.alive = [True] * batch_size
         self._fixed_plans: dict[int, _FixedPlan] = {}
 
+    def allocate(self, dtype: torch.dtype, devices: list) -> None:
+        """Every buffer of a state with a capacity, zeroed, in ``dtype`` (the target's activations') on each layer's
+        device (``devices[i]``): what a compiled or captured step reads by address must exist before its first
+        run (without this, a forward makes them when it first needs them)."""
+        if self.capacity is None:
+            raise ValueError("allocate is for a state with a capacity (its entries have a fixed size).")
+        c, b = self.config, self.batch_size
+        for layer, device in zip(self.layers, devices, strict=True):
+            kw = dict(dtype=dtype, device=device)
+            layer.ring = torch.zeros(b, max(1, self.window - 1 + self.max_rollback), c.head_dim, **kw)
+            for name, st in layer.streams.items():
+                d = c.head_dim if name == "compressor" else c.index_head_dim
+                width = 2 * d if st.overlap else d  # CSA rows carry the Ca and Cb halves
+                st.ring_kv, st.ring_gate = (torch.zeros(b, st.R, width, **kw) for _ in range(2))
+                st.entries = torch.zeros(b, st.fixed_entries, d, **kw)
+
     def sequences(self) -> list["BatchedSequence"]:
         return [BatchedSequence(self, i) for i in range(self.batch_size)]
 
@@ -477,25 +493,11 @@ class BatchedTargetState:
 
     @staticmethod
     def _attention(attn, q, keys, ok, sel_keys, sel_ok) -> torch.Tensor:
-        """transformers' eager V4 attention (shared K=V head, per-head sink) for padded queries
-        ``q [b, H, S, d]`` over per-sequence keys ``[b, K, d]`` and, on CSA, per-query selected
-        keys ``[b, S, k, d]``.  Masked logits are ``-inf``; the sink keeps every row finite."""
-        b, H, S, d = q.shape
-        K = keys.shape[1]
-        # one K=V head for all query heads: [b, H * S, d] x [b, d, K], no broadcast copies
-        logits = [(torch.bmm(q.reshape(b, H * S, d), keys.transpose(1, 2)) * attn.scaling).view(b, H, S, K)]
-        logits[0] = logits[0].masked_fill(~ok.unsqueeze(1), float("-inf"))
-        if sel_keys is not None:
-            sel = torch.matmul(q.transpose(1, 2), sel_keys.transpose(-1, -2)) * attn.scaling  # [b, S, H, k]
-            logits.append(sel.masked_fill(~sel_ok.unsqueeze(2), float("-inf")).transpose(1, 2))
-        sinks = attn.sinks.reshape(1, -1, 1, 1).expand(b, -1, S, -1)
-        combined = torch.cat(logits + [sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
-        out = torch.bmm(probs[..., :K].reshape(b, H * S, K), keys).view(b, H, S, d).transpose(1, 2)  # [b, S, H, d]
-        if sel_keys is not None:
-            out = out + torch.matmul(probs[..., K:].transpose(1, 2), sel_keys)
-        return out
+        """transformers' eager V4 attention (shared K=V head, per-head sink; ``layers.attention.sink_attention``)
+        for padded queries ``q [b, H, S, d]`` over per-sequence keys ``[b, K, d]`` and, on CSA, per-query
+        selected keys ``[b, S, k, d]``.  -> ``[b, S, H, d]``."""
+        groups = [(keys, ok)] + ([] if sel_keys is None else [(sel_keys, sel_ok)])
+        return sink_attention(q, attn.sinks, attn.scaling, *groups)
 
 
 class BatchedSequence:

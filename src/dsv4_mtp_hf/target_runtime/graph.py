@@ -7,29 +7,32 @@ cannot be captured.  :func:`graph_target` gives the target a fixed-shape decode 
 * its attention state is a :class:`~.batched_attention.BatchedTargetState` with a
   ``capacity`` (one sequence slot, every buffer preallocated for ``max_length`` tokens), so a
   forward's shapes depend only on its number of new rows ``n``;
-* the layers are :class:`~.ragged_target.RaggedTargetForward`'s spelling of transformers'
-  ``DeepseekV4DecoderLayer.forward`` with the target's own modules and weights;
+* a decode step's layers are our V4 block (:meth:`~dsv4_mtp_hf.layers.block.DeepseekV4Block.of_target_layer`)
+  on each target layer's own modules and weights (FP8 projections and packed experts as loaded):
+  grouped projections, the compressor and indexer ops, the MTP's MoE op;
 * for ``n <= max_rollback + 1`` (a plain step, or a verify of ``K`` drafts) the embedding,
   every layer and the head (``hc_head``, ``norm``, ``lm_head``) replay one CUDA graph per
   ``n``, captured the first time ``n`` occurs (that first forward runs eagerly and is the
-  warm-up).  The graph computes the forward's indices itself from the sequence's length
-  (:class:`~.batched_attention._FixedPlan`): the host writes one number and launches, with no
-  plan, no upload and no sync (the host work before a launch is what an idle GPU waits on);
+  warm-up).  The layers compute their positions, ring slots and windows from the sequence's
+  length, a device tensor: the host writes one number and launches, with no plan, no upload
+  and no sync (the host work before a launch is what an idle GPU waits on);
 * a target spread over GPUs by a ``device_map`` replays one graph per device segment
   (:func:`_segments`), the streams and RoPE tables copied device to device between replays;
 * on CUDA each layer is first compiled (``torch.compile``, one layer at a time: layers of one
   kind and one ``n`` share the compiled code, so compiling does not grow with the depth).
-  Inductor fuses the norms, RoPE, masks and index arithmetic that make an eager layer ~270
-  kernels; our custom ops (mHC, FP4 MoE) stay opaque;
+  Inductor fuses the norms, RoPE, masks and index arithmetic; our custom ops (mHC, projections,
+  MoE) stay opaque;
 * the head runs inside the step, so forward hooks on ``hc_head``, ``norm`` and ``lm_head`` do
   not fire there (as on the layers; hooks on the target itself do).  The residual the MTP
   drafts from is handed over by :meth:`TargetGraphs.take_features` (the outputs of the layers a drafter
   reads, written by the graphs themselves: :meth:`TargetGraphs.tap`);
 * longer forwards (the prompt) replay power-of-two chunks of at most ``prompt_chunk`` rows,
-  longest first, as graphs of the uncompiled step without the head (no compile per chunk size;
-  the chunks of up to ``max_rows`` rows are the decode graphs).  Before the first forward of all
-  one row runs eagerly, planned on the host, and is discarded: it allocates the state's buffers,
-  so that no compiled call or capture meets them unallocated.
+  longest first; the chunks of up to ``max_rows`` rows are the decode graphs, longer ones graphs of
+  :class:`~.ragged.RaggedTargetForward`'s spelling of transformers' layer (its modules, the
+  batched attention with the indices :class:`~.batched_state._FixedPlan` computes from the
+  length), uncompiled and without the head (no compile per chunk size).  Both write the same
+  state.  Before the first forward of all the state's buffers are allocated, so that no compiled
+  call or capture meets them unallocated.
 
 The state rolls back by moving its length (:class:`GraphedTargetCache.crop`), so assisted
 generation with the MTP works on top of it.  On CPU the same fixed-shape step runs eagerly.
@@ -46,6 +49,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .. import patching
 from ..compat import cache_kwarg, dynamo_recompile_limit, progress
+from ..layers.block import DeepseekV4Block
 from ..ops import inductor_options
 from .batched_state import BatchedTargetState
 from .dtypes import norms_to_compute_dtype
@@ -158,14 +162,26 @@ def _fixed_indices(plan, length):
     return plan.indices(length)
 
 
+def _graph_inputs(runner, model, ids, length):
+    """The first segment's inputs of a decode step: the RoPE tables of the rows and the embeddings as streams."""
+    positions = (length + torch.arange(ids.shape[1], device=length.device)).unsqueeze(0)
+    return runner.streams_in(model.embed_tokens(ids), positions)
+
+
 def _graph_head(model, lm_head, residual):
     """transformers' head on the streams ``[1, n, hc, D]`` -> logits ``[1, n, V]`` (the modules' own forwards)."""
     return lm_head.forward(model.norm.forward(model.hc_head.forward(residual)))
 
 
-def _graph_block(runner, layer, lstate, hidden, ids, pe, state, plan, t):
-    """One decoder layer of a fixed-shape step: the ragged forward's layer arithmetic with the batched
-    attention on this layer's state (module level, so ``torch.compile`` reuses it across layers)."""
+def _graph_block(block, lstate, hidden, ids, pe, length):
+    """One decoder layer of a decode step: our V4 block on the target layer's modules and this layer's state
+    (module level, so ``torch.compile`` reuses it across layers of one kind)."""
+    return block(hidden, pe, lstate, length, mlp_kwargs={"input_ids": ids})
+
+
+def _chunk_block(runner, layer, lstate, hidden, ids, pe, state, plan, t):
+    """One decoder layer of a prompt chunk: the ragged forward's layer arithmetic (transformers' modules) with the
+    batched attention on this layer's state."""
 
     def attend(attn, x, pe):
         return state.attend_layer(lstate, attn, x, pe, plan, t)
@@ -197,6 +213,8 @@ class TargetGraphs:
             raise ValueError(f"graph_target computes RoPE beside the embedding: put model.rotary_emb on the "
                              f"embedding's device ({self.device}) in the device_map, not on {sorted(map(str, rope))}.")
         self.runner = RaggedTargetForward(target, attention="batched")
+        # the decode step's layers: our V4 block on each target layer's own modules
+        self.blocks = [DeepseekV4Block.of_target_layer(layer, target.config) for layer in target.model.layers]
         self.state = BatchedTargetState(target.config, 1, max_rollback, capacity=max_length)
         self.sequence = self.state.sequences()[0]
         self.max_length, self.max_rows = max_length, max_rollback + 1
@@ -209,7 +227,7 @@ class TargetGraphs:
             compiled = functools.partial(torch.compile, dynamic=False, options=options)
         else:
             compiled = lambda f: f  # noqa: E731
-        self._block, self._indices, self._head = compiled(_graph_block), compiled(_fixed_indices), compiled(_graph_head)
+        self._block, self._inputs, self._head = compiled(_graph_block), compiled(_graph_inputs), compiled(_graph_head)
         self._graphs: dict[int, list[_Graph]] = {}  # per row count: one graph per segment
         self._epoch = 0
         self._features = None
@@ -313,7 +331,7 @@ class TargetGraphs:
             logits = logits[:, keep].clone()  # the next replay overwrites the graph's output
         else:  # a prompt (or a long chunk): graph replays of power-of-two chunks
             if not self._allocated:
-                self._allocate(ids)
+                self._allocate()
             residual, self._features = self._chunked(ids, n)
             logits = _graph_head(self.target.model, self.target.lm_head, residual[:, keep])
         return output_class(logits=logits, **{cache_name: cache})
@@ -335,31 +353,34 @@ class TargetGraphs:
     def _segment_step(self, plan, g: _Graph) -> None:
         """One segment's share of a forward for the rows of ``plan``, reading ``g``'s static inputs:
         the embedding (first segment), the segment's layers and the head (last segment).  Sets
-        ``g.out`` / ``g.pe_out`` (and ``g.logits``).  Decode shapes (``n <= max_rows``) run compiled
-        and with the head; prompt chunks uncompiled (no compile per chunk size) and without it."""
-        decode = plan.N <= self.max_rows
-        block, indices = (self._block, self._indices) if decode else (_graph_block, _fixed_indices)
-        t = indices(plan, g.length)  # the forward's indices, computed inside the graph
+        ``g.out`` / ``g.pe_out`` (and ``g.logits``).  Decode shapes (``n <= max_rows``) run our block, compiled,
+        and the head; prompt chunks the ragged forward's layers uncompiled (no compile per chunk size), no head."""
         model, state, runner = self.target.model, self.state, self.runner
-        if g.segment.embeds:
-            pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
+        if plan.N <= self.max_rows:
+            pe, hidden = self._inputs(runner, model, g.ids, g.length) if g.segment.embeds else (g.pe, g.hidden)
+            for idx in g.segment.layers:
+                hidden = self._block(self.blocks[idx], state.layers[idx], hidden, g.ids, pe, g.length)
+                if idx in self.tapped:
+                    g.taps[idx] = hidden
         else:
-            pe, hidden = g.pe, g.hidden
-        for idx in g.segment.layers:
-            hidden = block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
-            if idx in self.tapped:
-                g.taps[idx] = hidden
+            t = _fixed_indices(plan, g.length)  # the chunk's indices, computed inside the graph
+            if g.segment.embeds:
+                pe, hidden = runner.streams_in(model.embed_tokens(g.ids), t["flat_pos"])
+            else:
+                pe, hidden = g.pe, g.hidden
+            for idx in g.segment.layers:
+                hidden = _chunk_block(runner, model.layers[idx], state.layers[idx], hidden, g.ids, pe, state, plan, t)
+                if idx in self.tapped:
+                    g.taps[idx] = hidden
         g.out, g.pe_out = hidden, pe
-        if g.segment.head and decode:
+        if g.segment.head and plan.N <= self.max_rows:
             g.logits = self._head(model, self.target.lm_head, hidden)
 
-    def _allocate(self, ids: torch.Tensor) -> None:
-        """Before the first forward: one row eagerly through the host-planned layers allocates the state's
-        buffers, so that no compiled call or capture meets them unallocated (a capture would recompile: an
-        error); the sequence is emptied again.  Every prompt, the first included, then runs the same chunk
-        graphs, so a prompt's logits do not depend on whether it is the target's first."""
-        self.runner._batched([ids[0, :1]], [self.sequence], [1])
-        self._empty()
+    def _allocate(self) -> None:
+        """Before the first forward: the state's buffers, in the embedding's dtype on each layer's device, so that
+        no compiled call or capture meets them unallocated (a capture would recompile: an error)."""
+        devices = [next(layer.parameters()).device for layer in self.target.model.layers]
+        self.state.allocate(self.target.model.embed_tokens.weight.dtype, devices)
         self._allocated = True
 
     def _empty(self) -> None:
