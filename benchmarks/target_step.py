@@ -223,7 +223,8 @@ def context_replay_ms(target, prompt, context: int, args) -> float:
     """The graphed 1-row decode step at a context of ``context`` tokens (FP8 projections, as the last row): the
     fixed-shape step attends every entry its capacity holds (masked), so its cost is the capacity's, whatever the
     length reached; the step is captured at ``max_length=context`` and replayed back to back."""
-    ungraph_target(target)
+    if graphed(target) is not None:
+        ungraph_target(target)
     graphs = graph_target(target, max_length=context)
     target.generate(prompt, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
     ms = gpu_ms(lambda: [g.graph.replay() for g in graphs._graphs[1]], args.iters) if 1 in graphs._graphs else None
