@@ -204,7 +204,7 @@ def _drafter_of_call(target, kwargs):
                              "`load_drafter(repo, target_model=target)` or call `drafter.bind(target)` (or pass "
                              "`assistant_model=drafter`).")
         if len(bound) > 1:
-            names = ", ".join(f"{type(d).__name__} ({d.name_or_path or 'built from a config'})" for d in bound)
+            names = ", ".join(sorted(f"{type(d).__name__} ({d.name_or_path or 'built from a config'})" for d in bound))
             raise ValueError(f"`use_mtp=True` drafts with the drafter bound to this target, and {len(bound)} are "
                              f"bound: {names}. Pass `assistant_model=drafter` to choose one, or `unbind()` the "
                              "others.")
