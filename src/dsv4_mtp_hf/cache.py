@@ -291,7 +291,8 @@ class DSparkKVCache:
     """The DSpark drafter's context caches (design §7b): one paged ring per draft layer holding the context
     K/V of the last ``window`` committed positions, and room for a drafted block's rows, which are rolled back
     before the next commit (only committed rows stay).  All layers advance together; the lengths are per
-    sequence, on the device."""
+    sequence, on the device.  A batch runs ragged (:meth:`ragged`: some sequences, different row counts) and
+    frees finished sequences (:meth:`free`), as :class:`PagedMtpKVCache` does."""
 
     def __init__(self, config, batch_size: int = 1, device=None, dtype=torch.float32, page_size: int = 16):
         self.window, self.block_size = config.sliding_window, config.dspark_block_size
@@ -307,11 +308,27 @@ class DSparkKVCache:
 
     @property
     def seq_lengths(self) -> torch.Tensor:
-        return self.layers[0].seq_lengths
+        """Each sequence's length; inside :meth:`ragged`, those of the sequences the forward runs on (its rows)."""
+        layer = self.layers[0]
+        return layer.seq_lengths if layer._ragged is None else layer.seq_lengths[layer._ragged[0]]
 
     @property
     def batch_size(self) -> int:
         return self.layers[0].batch_size
+
+    @contextlib.contextmanager
+    def ragged(self, rows: torch.Tensor | None = None, num_new: torch.Tensor | None = None):
+        """The next forward (a commit or a block) runs on the sequences ``rows`` only, of whose rows the first
+        ``num_new`` are real: :meth:`PagedMtpKVCache.ragged` for every layer.  Eager only."""
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers:
+                stack.enter_context(layer.ragged(rows, num_new))
+            yield self
+
+    def free(self, b: int) -> None:
+        """Release sequence ``b``'s pages in every layer (its row stays, inactive)."""
+        for layer in self.layers:
+            layer.free(b)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

@@ -30,6 +30,7 @@ from ..compat import takes_cache_kwarg
 from ..ops.hyper_connection import hc_pre
 from .batched_state import BatchedSequence, BatchedTargetState
 from .dtypes import norms_to_compute_dtype
+from .features import check_layers
 from .rollback_cache import RollbackDeepseekV4Cache
 
 
@@ -43,7 +44,8 @@ _ATTENTION = ("batched", "per_sequence")
 class RaggedTargetForward:
     """Runs ``target`` (a ``DeepseekV4ForCausalLM``) on ``chunks[i]`` appended to sequence
     ``i``'s cache.  Returns the logits of the requested rows and the pre-``hc_head``
-    residual of every row (what the MTP reads).
+    residual of every row (what the MTP reads), or with ``feature_layers`` the outputs of those
+    decoder layers at every row (what a drafter reads: :mod:`.features`).
 
     ``attention="batched"``: one attention pass per layer for all sequences, with their
     state in one :class:`~.batched_attention.BatchedTargetState` (the caches are its
@@ -52,7 +54,7 @@ class RaggedTargetForward:
     ``attention="per_sequence"``: the attention runs once per sequence through the target's
     own ``self_attn`` with a :class:`RollbackDeepseekV4Cache` each (the exactness oracle)."""
 
-    def __init__(self, target, attention: str = "batched", max_chunk: int = 256):
+    def __init__(self, target, attention: str = "batched", max_chunk: int = 256, feature_layers: list[int] | None = None):
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         if attention not in _ATTENTION:
@@ -63,6 +65,10 @@ class RaggedTargetForward:
         self.target, self.model = target, target.model
         self.config = target.config
         self.attention, self.max_chunk = attention, int(max_chunk)
+        last = len(self.model.layers) - 1
+        self.feature_layers = None if feature_layers is None else check_layers(target, feature_layers)
+        # the layers whose outputs a forward keeps: the drafter's, then the last (the head reads it) if not among them
+        self._kept = (self.feature_layers or []) + ([last] if last not in (self.feature_layers or []) else [])
         self._mask_fn = create_sliding_window_causal_mask
         self._attn_cache_kw = takes_cache_kwarg(type(self.model.layers[0].self_attn).forward)
         self._mask_cache_kw = takes_cache_kwarg(create_sliding_window_causal_mask)
@@ -90,7 +96,8 @@ class RaggedTargetForward:
         """``chunks[i]``: 1-D token ids appended to sequence ``i`` (positions continue its
         cache).  ``logit_rows``: flat row indices whose logits are needed (default all).
         Returns ``(logits [R, V], residual [N, hc_mult, D], offsets)`` where row ``offsets[i] + j``
-        is token ``j`` of chunk ``i``."""
+        is token ``j`` of chunk ``i``; with ``feature_layers``, ``features [N, F, hc_mult, D]`` (those layers'
+        outputs, in their order) in place of the residual."""
         if len(chunks) != len(caches) or not chunks:
             raise ValueError(f"one cache per chunk: got {len(chunks)} chunks and {len(caches)} caches.")
         lengths = [int(c.numel()) for c in chunks]
@@ -103,15 +110,18 @@ class RaggedTargetForward:
         if any(batched):
             if not all(batched) or len({id(c.state) for c in caches}) != 1:
                 raise ValueError("batched attention: every cache must be a sequence of the same BatchedTargetState.")
-            residual = self._batched(chunks, caches, lengths)
+            kept = self._batched(chunks, caches, lengths)
         else:
-            residual = self._per_sequence(chunks, caches, lengths, offsets)
+            kept = self._per_sequence(chunks, caches, lengths, offsets)
+        residual = kept[:, self._kept.index(len(self.model.layers) - 1)]
         model = self.model
         head_dev = _device_of(model.hc_head)
         rows = residual if logit_rows is None else residual[logit_rows.to(residual.device)]
         h = model.norm(model.hc_head(rows.to(head_dev).unsqueeze(0)))
         lm = self.target.lm_head
         logits = lm(h.to(_device_of(lm)))[0]
+        if self.feature_layers is not None:
+            return logits, kept[:, : len(self.feature_layers)], offsets
         return logits, residual, offsets
 
     def _per_sequence(self, chunks, caches, lengths, offsets) -> torch.Tensor:
@@ -179,10 +189,11 @@ class RaggedTargetForward:
     def _layers(self, ids, positions, embeds, attend) -> torch.Tensor:
         """transformers' ``DeepseekV4DecoderLayer.forward`` over the flat rows, with the attention
         delegated to ``attend(layer_idx, self_attn, x, position_embeddings, on)``.  Returns the
-        residual ``[N, hc_mult, D]``."""
+        outputs of the kept layers ``[N, len(_kept), hc_mult, D]`` (the last layer's: the residual)."""
         model = self.model
         pe, hidden = self.streams_in(embeds, positions)
         moved: dict = {}
+        outputs: dict[int, torch.Tensor] = {}
 
         for idx, layer in enumerate(model.layers):
             dev = _device_of(layer)
@@ -201,7 +212,11 @@ class RaggedTargetForward:
                 return attend(idx, attn, x, pe, on)
 
             hidden = self.block(layer, hidden.to(dev), on(ids), pe_dev, attend_here)
-        return hidden[0]  # [N, hc, D]: the MTP's input
+            if idx in self._kept:
+                outputs[idx] = hidden[0]
+        if len(self._kept) == 1:
+            return hidden[0].unsqueeze(1)  # [N, 1, hc, D]: the residual, no copy
+        return torch.stack([outputs[i].to(hidden.device) for i in self._kept], dim=1)
 
     def streams_in(self, embeds, positions):
         """RoPE tables of the rows (``{"main", "compress"}``) and the embeddings as ``hc_mult`` streams."""
