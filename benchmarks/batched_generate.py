@@ -32,31 +32,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_split_target, left_pad, wall  # noqa: E402
 
 from dsv4_mtp_hf import load_demo_pair  # noqa: E402
-from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import speculative_generate  # noqa: E402
+from dsv4_mtp_hf.generation.mtp_batch import MtpBatch  # noqa: E402
 
 
 class OracleDrafts:
     """Replaces the MTP's drafts by the known greedy continuation (the MTP still runs)."""
 
     def __init__(self, truth: list[list[int]]):
-        self.truth, self.original = truth, spec._Batch.draft
+        self.truth, self.original = truth, MtpBatch.draft
 
     def __enter__(self):
         truth, original = self.truth, self.original
 
-        def draft(batch, seqs, budgets):
-            real, dists = original(batch, seqs, budgets)  # greedy here: dists are empty
+        def draft(drafter, seqs, budgets):
+            real, dists = original(drafter, seqs, budgets)  # greedy here: dists are None
             out = []
             for i, d in zip(seqs, real):
-                n = len(batch.new[i])
+                n = len(drafter.call.new[i])
                 out.append(truth[i][n : n + len(d)])
             return out, dists
 
-        spec._Batch.draft = draft
+        MtpBatch.draft = draft
 
     def __exit__(self, *exc):
-        spec._Batch.draft = self.original
+        MtpBatch.draft = self.original
 
 
 def sweep(target, mtp, prompt_lens, batches, new_tokens, k, repeats, gen, label, rows, checks,

@@ -51,11 +51,11 @@ from common import (  # noqa: E402
 )
 
 from dsv4_mtp_hf import graph_target  # noqa: E402
-from dsv4_mtp_hf.generation import speculative as spec  # noqa: E402
 from dsv4_mtp_hf.generation import Drafts, speculative_generate  # noqa: E402
 from dsv4_mtp_hf.generation.candidate import DraftCandidateGenerator  # noqa: E402
 from dsv4_mtp_hf.generation.drafter import session_class  # noqa: E402
 from dsv4_mtp_hf.generation.dspark_session import DSparkSession  # noqa: E402
+from dsv4_mtp_hf.generation.mtp_batch import MtpBatch  # noqa: E402
 from dsv4_mtp_hf.generation.mtp_session import MtpSession  # noqa: E402
 from dsv4_mtp_hf.target_runtime.graph import graphed  # noqa: E402
 from dsv4_mtp_hf.target_runtime.ragged import RaggedTargetForward  # noqa: E402
@@ -512,18 +512,19 @@ def ragged_plain(target, prompts, n):
 
 @contextlib.contextmanager
 def controlled_batch(ctl):
-    original_draft, original_call = spec._Batch.draft, RaggedTargetForward.__call__
+    original_draft, original_call = MtpBatch.draft, RaggedTargetForward.__call__
 
-    def draft(batch, seqs, budgets):
-        real, dists = original_draft(batch, seqs, budgets)
-        return [ctl.controlled(batch.tokens[i][-1], len(d)) if d else d for i, d in zip(seqs, real)], dists
+    def draft(drafter, seqs, budgets):
+        real, dists = original_draft(drafter, seqs, budgets)
+        tokens = drafter.call.tokens
+        return [ctl.controlled(tokens[i][-1], len(d)) if d else d for i, d in zip(seqs, real)], dists
 
-    spec._Batch.draft = draft
+    MtpBatch.draft = draft
     RaggedTargetForward.__call__ = ctl.ragged_call(original_call)
     try:
         yield
     finally:
-        spec._Batch.draft, RaggedTargetForward.__call__ = original_draft, original_call
+        MtpBatch.draft, RaggedTargetForward.__call__ = original_draft, original_call
 
 
 def batched_cases(target, mtp, ctl, args, rows, checks, label):

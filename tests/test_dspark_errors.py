@@ -88,24 +88,33 @@ def test_drafter_generate_names_the_drafter(release):
 # -- batches --------------------------------------------------------------------------------------------------
 
 
-def test_batches_refuse_dspark_by_name_and_say_what_works(release):
+def test_batches_take_dspark_and_refuse_a_drafter_without_a_batch_part(release, monkeypatch):
+    """A release's DSpark drafts batches (greedy: each sequence as plain `generate` alone); a drafter of ours that
+    has no batch part is refused by name, with what serves it (batch 1)."""
+    from dsv4_mtp_hf.generation import drafter
+
     path, cfg, _, _ = release
     target = target_of(cfg)
     dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target)
-    pattern = r"MTP head.*" + NAME + r".*`target\.generate\(prompt\[None\], assistant_model=drafter\)` \(batch 1\)"
-    for prompts, kw in (([IDS[0], IDS[0, :2]], {}), ([IDS[0]], {}), ([IDS[0]], dict(num_assistant_tokens=2))):
-        with pytest.raises(ValueError, match=pattern):
-            speculative_generate(target, dspark, prompts, max_new_tokens=3, **kw)
-    assert target.generate(IDS, assistant_model=dspark, max_new_tokens=3).shape == (1, 7)  # what works
+    prompts = [IDS[0], IDS[0, :2]]
+    out = speculative_generate(target, dspark, prompts, max_new_tokens=3, eos_token_id=None)
+    for p, new in zip(prompts, out.new_tokens):
+        assert torch.equal(new, target.generate(p[None], max_new_tokens=3, eos_token_id=None)[0, p.numel():])
+    monkeypatch.delitem(drafter.BATCH_DRAFTERS, "deepseek_v4_dspark")
+    pattern = NAME + r"; it drafts one sequence.*`target\.generate\(prompt\[None\], assistant_model=drafter\)` \(batch 1\)"
+    with pytest.raises(ValueError, match=pattern):
+        speculative_generate(target, dspark, prompts, max_new_tokens=3)
 
 
 @pytest.mark.tf_internals
-def test_mtp_decoding_refuses_dspark_by_name(release):
+def test_mtp_decoding_takes_dspark_under_its_old_names(release):
+    """`custom_generate=mtp_decoding, mtp=drafter` (the names from before DSpark batched) run DSpark's batches."""
     path, cfg, _, _ = release
     target = target_of(cfg)
     dspark = DeepseekV4DSparkForCausalLM.from_pretrained(path, target_model=target)
-    with pytest.raises(ValueError, match=NAME + r".*assistant_model=drafter\)` \(batch 1\)"):
-        target.generate(IDS, custom_generate=mtp_decoding, mtp=dspark, max_new_tokens=3)
+    out = target.generate(IDS, custom_generate=mtp_decoding, mtp=dspark, max_new_tokens=3, eos_token_id=None)
+    assert torch.equal(out, target.generate(IDS, max_new_tokens=3, eos_token_id=None))
+    assert len(dspark.last_generation_stats) == 1
 
 
 # -- incomplete releases -----------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 * ``round``: a round's rules (K, acceptance, the EOS / length cut); ``sampling``: the one sampler;
 * ``drafter``: the protocol a drafter implements (``mtp_session`` + ``mtp_graph`` for the MTP);
-* the drivers: ``candidate`` (transformers' loop), ``assisted_loop`` (ours), ``speculative`` (batches);
+* the drivers: ``candidate`` (transformers' loop), ``assisted_loop`` (ours), ``speculative`` (batches, with each
+  drafter's batch part ``mtp_batch``, ``dspark_batch``);
 * ``binding``: bind/unbind and the assisted ``generate`` calls; ``draft_length``, ``stats``, ``grammar``.
 """
 
@@ -10,7 +11,7 @@ from ..target_runtime import CacheRollbackError, GraphedTargetCache, RollbackDee
 from .candidate import DraftCandidateGenerator
 from .drafter import Drafts, DraftSession
 from .grammar import GrammarStats, XGrammarLogitsProcessor
-from .speculative import SpeculativeOutput, mtp_decoding, speculative_generate
+from .speculative import SpeculativeOutput, mtp_decoding, speculative_decoding, speculative_generate
 from .stats import BatchGenerationStats, GenerationStats
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "XGrammarLogitsProcessor",
     "graph_target",
     "mtp_decoding",
+    "speculative_decoding",
     "speculative_generate",
     "ungraph_target",
 ]

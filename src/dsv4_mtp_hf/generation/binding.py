@@ -275,7 +275,7 @@ def _check_settings(target, drafter, ids: torch.Tensor, kwargs: dict) -> None:
             f"assisted generation with a drafter runs one sequence per `generate` call (transformers' assisted loop "
             f"is batch-1), got a batch of {ids.shape[0]}. For batches use "
             "`dsv4_mtp_hf.generation.speculative_generate(target, drafter, prompts)` or "
-            "`target.generate(ids, attention_mask=mask, custom_generate=mtp_decoding, mtp=drafter)`.")
+            "`target.generate(ids, attention_mask=mask, custom_generate=speculative_decoding, drafter=drafter)`.")
     for name in ("num_beams", "num_return_sequences"):
         value = _setting(target, kwargs, name)
         if value is not None and value > 1:
@@ -376,12 +376,16 @@ def _as_keywords(cls_generate, target, args, kwargs) -> dict:
 
 
 def _batched_call(target, cls_generate, args, kwargs):
-    """``generate(custom_generate=mtp_decoding, ...)``: its ``stop_strings`` built into criteria here, since
-    ``generate`` hands a ``custom_generate`` callable no tokenizer."""
-    if kwargs.get("custom_generate") is not speculative.mtp_decoding:
+    """``generate(custom_generate=speculative_decoding, ...)`` (or ``mtp_decoding``): its ``stop_strings`` built
+    into criteria and its drafting settings read here, since ``generate`` hands a ``custom_generate`` callable no
+    tokenizer, and a generation config with transformers' defaults filled in (an unset ``num_assistant_tokens``
+    reads 20, ``assistant_confidence_threshold`` 0.4: no choice of the drafter's)."""
+    if kwargs.get("custom_generate") not in (speculative.speculative_decoding, speculative.mtp_decoding):
         return NotImplemented
     kwargs = _as_keywords(cls_generate, target, args, kwargs)
     _stop_strings_as_criteria(target, kwargs)
+    for name in ("num_assistant_tokens", "assistant_confidence_threshold"):
+        kwargs[name] = _setting(target, kwargs, name)  # None: the drafter's own
     return cls_generate(target, **kwargs)
 
 

@@ -13,7 +13,8 @@ drafting state for one sequence.  The drivers (transformers' loop through :mod:`
 * :meth:`DraftSession.snapshot` / :meth:`DraftSession.restore`: the state a later call on the same target
   cache resumes from (multi-turn).
 
-A new drafter adds a session class and registers it in :data:`SESSIONS` under its ``config.model_type``.
+A new drafter adds a session class and registers it in :data:`SESSIONS` under its ``config.model_type``; for
+batches (:mod:`.speculative`) a :class:`BatchDrafter` too, registered in :data:`BATCH_DRAFTERS`.
 """
 
 from __future__ import annotations
@@ -126,3 +127,58 @@ def register(cls: type[DraftSession]) -> type[DraftSession]:
 def session_class(model) -> type[DraftSession] | None:
     """The session class of a draft model of ours (by ``config.model_type``), else None."""
     return SESSIONS.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+class BatchDrafter:
+    """A drafter's part of one batched call (:mod:`.speculative`): its state for B sequences of different lengths,
+    each with its own rows and rollback.  The batched loop knows nothing else of a drafter:
+
+    * :meth:`advance`: commit the target's rows kept since the last round (after the prefill: the prompt; after a
+      verify: the last confirmed token and the accepted drafts), from their features;
+    * :meth:`draft`: each sequence's drafts after its confirmed tokens (and, sampling, what each was drawn from);
+    * :meth:`rollback`: after the verify, drop the drafts' provisional rows;
+    * :meth:`observe`: a round's outcome per sequence (a verify-length policy learns from it);
+    * :meth:`free`: a sequence finished.
+
+    ``call`` is the batch (read only): ``tokens`` (each sequence's confirmed tokens), ``k`` (drafts per round, the
+    most), ``auto``, ``threshold``, ``warpers`` (None: greedy), ``generator``, ``prefill_chunk``, ``stats``."""
+
+    model_type: str = ""
+
+    def __init__(self, model, call):
+        self.model, self.call = model, call
+
+    @classmethod
+    def check_settings(cls, model, auto: bool, threshold) -> None:
+        """Refuse the call's drafting settings this drafter's batches cannot honour, naming the fix."""
+
+    def advance(self, seqs: list[int], features: list[torch.Tensor]) -> None:
+        """``features[j] [n_j, F, hc, D]``: the target's rows of sequence ``seqs[j]`` kept since its last commit."""
+        raise NotImplementedError
+
+    def draft(self, seqs: list[int], budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """At most ``budgets[j]`` drafts for sequence ``seqs[j]`` (none is a plain step), and for sampling the
+        processed logits ``[k_j, V]`` each draft was drawn from (speculative sampling's ``q``; None when greedy)."""
+        raise NotImplementedError
+
+    def rollback(self, seqs: list[int]) -> None:
+        raise NotImplementedError
+
+    def observe(self, i: int, drafted: int, accepted: int) -> None:
+        """Sequence ``i``'s round verified ``drafted`` drafts and accepted ``accepted``."""
+
+    def free(self, i: int) -> None:
+        raise NotImplementedError
+
+
+BATCH_DRAFTERS: dict[str, type[BatchDrafter]] = {}
+
+
+def register_batch(cls: type[BatchDrafter]) -> type[BatchDrafter]:
+    BATCH_DRAFTERS[cls.model_type] = cls
+    return cls
+
+
+def batch_drafter_class(model) -> type[BatchDrafter] | None:
+    """The batch part of a draft model of ours (by ``config.model_type``), else None."""
+    return BATCH_DRAFTERS.get(getattr(getattr(model, "config", None), "model_type", None))

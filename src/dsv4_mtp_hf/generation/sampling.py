@@ -92,6 +92,19 @@ def _candidates(warpers) -> int | None:
     return None
 
 
+def choose(warpers, logits: torch.Tensor, generator: torch.Generator | None = None,
+           what: str = "The draft's distribution") -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from logits ``[N, V]`` on an eager path: ``(tokens [N], processed fp32 logits)`` -- the argmax
+    (``warpers`` None) or a draw from the warped distribution, checked for NaN first (one host read)."""
+    logits = logits.float()
+    if warpers is None:
+        return logits.argmax(-1), logits
+    processed = warp(warpers, logits)
+    probs = processed.softmax(-1)
+    check_finite(probs, what)
+    return draw(probs, generator), processed
+
+
 def draft_draw(warpers, logits: torch.Tensor, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft from fp32 logits ``[B, V]``: ``(token [B], processed logits [B, V])``, the token drawn from

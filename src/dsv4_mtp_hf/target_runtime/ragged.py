@@ -54,7 +54,8 @@ class RaggedTargetForward:
     ``attention="per_sequence"``: the attention runs once per sequence through the target's
     own ``self_attn`` with a :class:`RollbackDeepseekV4Cache` each (the exactness oracle)."""
 
-    def __init__(self, target, attention: str = "batched", max_chunk: int = 256, feature_layers: list[int] | None = None):
+    def __init__(self, target, attention: str = "batched", max_chunk: int = 256,
+                 feature_layers: list[int] | None = None):
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         if attention not in _ATTENTION:
