@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling_dspark import greedy
 from . import sampling
 from .draft_length import ConfidenceLength
 from .drafter import BatchDrafter, register_batch
@@ -64,16 +63,17 @@ class DSparkBatch(BatchDrafter):
         for j, i in enumerate(seqs):
             self.committed[i] += counts[j]
 
-    def _select(self, z: torch.Tensor):
-        if self.call.warpers is None:
-            return greedy(z)
+    def _draw(self, z: torch.Tensor):
         return sampling.draft_draw(self.call.warpers, z, self.call.generator)
 
     def _block(self, seqs: list[int]):
-        """One block after each sequence's last confirmed token (the anchor, at its committed length)."""
+        """One block after each sequence's last confirmed token (the anchor, at its committed length): greedy (the
+        drafter's default choice) or drawn from the call's warped distribution."""
         anchors = torch.tensor([[self.call.tokens[i][-1]] for i in seqs], device=self.device)
         with self.cache.ragged(rows=torch.tensor(seqs)):
-            return self.model.draft(anchors, self.cache, self._select)
+            if self.call.warpers is None:
+                return self.model.draft(anchors, self.cache)
+            return self.model.draft(anchors, self.cache, self._draw)
 
     def _drafting(self, seqs: list[int], budgets: list[int]) -> list[int]:
         """The positions (in ``seqs``) of the sequences that draft this round: those with room for a draft whose
