@@ -124,9 +124,14 @@ def register(cls: type[DraftSession]) -> type[DraftSession]:
     return cls
 
 
+def _registered(registry: dict, model):
+    """``registry``'s entry for a draft model of ours (by ``config.model_type``), else None."""
+    return registry.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
 def session_class(model) -> type[DraftSession] | None:
-    """The session class of a draft model of ours (by ``config.model_type``), else None."""
-    return SESSIONS.get(getattr(getattr(model, "config", None), "model_type", None))
+    """The session class of a draft model of ours, else None."""
+    return _registered(SESSIONS, model)
 
 
 class BatchDrafter:
@@ -180,5 +185,5 @@ def register_batch(cls: type[BatchDrafter]) -> type[BatchDrafter]:
 
 
 def batch_drafter_class(model) -> type[BatchDrafter] | None:
-    """The batch part of a draft model of ours (by ``config.model_type``), else None."""
-    return BATCH_DRAFTERS.get(getattr(getattr(model, "config", None), "model_type", None))
+    """The batch part of a draft model of ours, else None."""
+    return _registered(BATCH_DRAFTERS, model)
