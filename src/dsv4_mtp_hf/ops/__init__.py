@@ -2,6 +2,7 @@
 
 from ._kernels import inductor_options
 from .argmax import argmax_last
+from .compressed_attention import compressed_attention, compressed_attention_reference
 from .compressor import compressor_step, compressor_step_reference
 from .fp4_moe import check_fp4_moe_inputs, fp4_moe, fp4_moe_reference, register_cuda_kernels
 from .hyper_connection import hc_head, hc_head_reference, hc_pre, hc_pre_reference
@@ -22,7 +23,7 @@ from .skinny_linear import (
 )
 
 __all__ = [
-    "argmax_last", "compressor_step", "compressor_step_reference", "hash_route", "hash_route_reference",
+    "argmax_last", "compressed_attention", "compressed_attention_reference", "compressor_step", "compressor_step_reference", "hash_route", "hash_route_reference",
     "indexer_topk", "indexer_topk_reference", "inductor_options", "check_fp4_moe_inputs", "fp4_moe", "fp4_moe_reference", "register_cuda_kernels",
     "hc_head", "hc_head_reference", "hc_pre", "hc_pre_reference", "moe_route", "moe_route_reference",
     "clamped_swiglu_op", "mtp_moe", "shared_expert",
