@@ -18,14 +18,16 @@ transformers' compressors do::
     entry w = RoPE_{w*rate}(RMSNorm(pooled))
 
 Shapes are fixed for a given ``n``: ``(rate - 1 + n) // rate`` windows are computed, those that do not close
-go to the spare entry.  The reference below is the source of truth (CPU, and every device).  No CUDA kernel
-is registered yet: a ``torch.compile`` caller traces the reference (:func:`compressor_step`), so Inductor
-generates its kernels and keeps the state writes in place; eager CUDA calls run the reference as PyTorch ops.
+go to the spare entry.  The reference below is the source of truth (CPU, and every device); the CUDA
+registration (``ops/triton/compressor_triton.py``) computes the windows in one launch and writes the rings in a
+second.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._kernels import register_triton_kernels
 
 LIB = "dsv4_mtp"
 
@@ -118,7 +120,7 @@ def compressor_step_op(kv: torch.Tensor, gate: torch.Tensor, length: torch.Tenso
                        ring_gate: torch.Tensor, entries: torch.Tensor, position_bias: torch.Tensor,
                        norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rate: int, overlap: bool,
                        eps: float) -> None:
-    """Every device: the reference math (no CUDA kernel yet)."""
+    """The reference math on any device without a faster kernel."""
     check_compressor_inputs(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin, rate,
                             overlap)
     compressor_step_reference(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin,
@@ -133,12 +135,15 @@ def _(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight,
 
 def compressor_step(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin,
                     rate: int, overlap: bool, eps: float) -> None:
-    """One stream's step (module docstring), in place.  Under ``torch.compile`` the reference is traced: with no
-    kernel behind the op, Inductor's kernels (fused with the step around it) beat the reference's PyTorch ops
-    run one by one inside an opaque op; eager calls go through the op."""
-    if torch.compiler.is_compiling():
-        compressor_step_reference(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin,
-                                  rate, overlap, eps)
-    else:
-        compressor_step_op(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin,
-                           rate, overlap, eps)
+    """One stream's step (module docstring), in place: ``dsv4_mtp::compressor_step``."""
+    compressor_step_op(kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin, rate,
+                       overlap, eps)
+
+
+def register_cuda_kernels() -> bool:
+    """Register the Triton kernels behind ``dsv4_mtp::compressor_step`` (on import when CUDA is present)."""
+    return register_triton_kernels("compressor_triton", "dsv4_mtp::compressor_step")
+
+
+if torch.cuda.is_available():
+    register_cuda_kernels()

@@ -7,14 +7,16 @@ and keeps the ``k`` best.  Picks that point at a masked entry (a query with fewe
 come back as ``-1``, as transformers' indexer returns them.
 
 The entries are a fixed-shape buffer (``target_runtime/batched_state.py``: every entry the capacity allows,
-plus a spare), so the shapes depend only on the row count.  The reference below is the source of truth;
-no CUDA kernel is registered yet: a ``torch.compile`` caller traces it (:func:`indexer_topk`).
+plus a spare), so the shapes depend only on the row count.  The reference below is the source of truth; the
+CUDA registration (``ops/triton/indexer_triton.py``) scores in one launch, reading only the closed entries.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ._kernels import register_triton_kernels
 
 LIB = "dsv4_mtp"
 
@@ -46,7 +48,7 @@ def indexer_topk_reference(q, entries, weights, positions, rate: int, k: int, so
 @torch.library.custom_op(f"{LIB}::indexer_topk", mutates_args=())
 def indexer_topk_op(q: torch.Tensor, entries: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                     rate: int, k: int, softmax_scale: float, weights_scale: float) -> torch.Tensor:
-    """Every device: the reference math (no CUDA kernel yet)."""
+    """The reference math on any device without a faster kernel."""
     check_indexer_inputs(q, entries, weights, positions)
     return indexer_topk_reference(q, entries, weights, positions, rate, k, softmax_scale, weights_scale)
 
@@ -59,7 +61,14 @@ def _(q, entries, weights, positions, rate, k, softmax_scale, weights_scale):
 
 def indexer_topk(q, entries, weights, positions, rate: int, k: int, softmax_scale: float,
                  weights_scale: float) -> torch.Tensor:
-    """The op (module docstring); under ``torch.compile`` its reference is traced (no kernel behind the op yet)."""
-    if torch.compiler.is_compiling():
-        return indexer_topk_reference(q, entries, weights, positions, rate, k, softmax_scale, weights_scale)
+    """The op (module docstring)."""
     return indexer_topk_op(q, entries, weights, positions, rate, k, softmax_scale, weights_scale)
+
+
+def register_cuda_kernels() -> bool:
+    """Register the Triton kernel behind ``dsv4_mtp::indexer_topk`` (on import when CUDA is present)."""
+    return register_triton_kernels("indexer_triton", "dsv4_mtp::indexer_topk")
+
+
+if torch.cuda.is_available():
+    register_cuda_kernels()
