@@ -7,7 +7,6 @@ must happen: the random drafter alone lands almost nothing."""
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.logits_process import LogitsProcessorList
 
 from dsv4_mtp_hf.generation import Drafts, speculative_decoding, speculative_generate
 from dsv4_mtp_hf.generation.dspark_batch import DSparkBatch

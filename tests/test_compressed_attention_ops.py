@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from dsv4_mtp_hf.ops.compressor import closing_windows, compressor_step, compressor_step_op
-from dsv4_mtp_hf.ops.indexer import indexer_topk, indexer_topk_op
+from dsv4_mtp_hf.ops.compressed_attention import compressed_attention, compressed_attention_reference
+from dsv4_mtp_hf.ops.compressor import closing_windows, compressor_step, compressor_step_op, compressor_step_reference
+from dsv4_mtp_hf.ops.indexer import indexer_topk, indexer_topk_op, indexer_topk_reference
 from dsv4_mtp_hf.ops.moe_route import hash_route, hash_route_op
 
 from .helpers import randomize_, tiny_target_config
@@ -137,10 +138,16 @@ def _op_cases(device="cpu"):
     indexer = (r(1, n, 4, d), r(1, 7, d), r(1, n, 4), torch.tensor([[4, 5, 6]], device=device), 2, 3, 0.3, 0.5)
     hashed = (r(n, d), r(6, d), torch.randint(0, 6, (20, 2), generator=g).to(device),
               torch.tensor([1, 5, 7], device=device), 1.5)
-    return [(compressor_step_op, compressor), (indexer_topk_op, indexer), (hash_route_op, hashed)]
+    attention = (r(2, n, 16, d), r(2, n, d), r(2, 9, d), torch.tensor([3, 30], device=device), r(2, 9, d),
+                 torch.tensor([[[0, -1], [0, -1], [0, -1]], [[5, 2], [7, 0], [1, 6]]], device=device), r(16), 0.3, 8, 4)
+    return [(compressor_step_op, compressor), (indexer_topk_op, indexer), (hash_route_op, hashed),
+            (compressed_attention, attention)]
 
 
-@pytest.mark.parametrize("case", range(3), ids=["compressor_step", "indexer_topk", "hash_route"])
+OPS = ["compressor_step", "indexer_topk", "hash_route", "compressed_attention"]
+
+
+@pytest.mark.parametrize("case", range(4), ids=OPS)
 def test_op_schemas_and_fakes(case):
     """Schema, fake (what torch.compile traces) and in-place mutation checks of each op."""
     op, args = _op_cases()[case]
@@ -156,6 +163,13 @@ def test_errors_name_the_op_and_the_shapes():
     op, args = _op_cases()[1]
     with pytest.raises(ValueError, match="indexer_topk: weights must be"):
         op(args[0], args[1], args[2][..., :3], *args[3:])
+    op, args = _op_cases()[3]
+    with pytest.raises(ValueError, match="compressed_attention: picks must be"):
+        op(*args[:4], None, *args[5:-1], 0)
+    with pytest.raises(ValueError, match=r"compressed_attention: ring must be \[B=2, R >= window - 1 = 7"):
+        op(args[0], args[1], args[2][:, :6], *args[3:])
+    with pytest.raises(ValueError, match="compressed_attention: entries go with a compression rate"):
+        op(*args[:-1], 0)
 
 
 def _outputs(case: int, args: list, result) -> list[torch.Tensor]:
@@ -166,7 +180,7 @@ def _outputs(case: int, args: list, result) -> list[torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(3), ids=["compressor_step", "indexer_topk", "hash_route"])
+@pytest.mark.parametrize("case", range(4), ids=OPS)
 def test_ops_on_cuda_equal_the_cpu_reference_and_replay_from_a_cuda_graph(case):
     """The CUDA registration (today the reference) against the CPU, eagerly and replayed from a CUDA graph (no host
     sync inside the op; the state written in place at the captured addresses)."""
@@ -191,3 +205,105 @@ def test_ops_on_cuda_equal_the_cpu_reference_and_replay_from_a_cuda_graph(case):
     graph.replay()
     for a, b in zip(_outputs(case, static, captured), want, strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+
+
+def _attention_inputs(mode: str, b: int, n: int, context: int, dtype, device, seed: int):
+    """V4-Flash's attention shapes (64 heads of 512, window 128, CSA top-512 at rate 4, HCA rate 128) at
+    ``context`` tokens: random rows, a ring and entries, and picks as ``indexer_topk`` returns them."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, w, k = 64, 512, 128, 512
+    rate = {"window": 0, "hca": 128, "csa": 4}[mode]
+    length = torch.tensor([context - i * 37 for i in range(b)])
+    E = context // rate + 1 if rate else 0
+    args = [torch.randn(b, n, h, d, generator=g), torch.randn(b, n, d, generator=g),
+            torch.randn(b, w - 1 + 3, d, generator=g), length, torch.randn(b, E, d, generator=g) if rate else None]
+    picks = None
+    if mode == "csa":
+        closed = (length.view(b, 1) + torch.arange(n) + 1) // rate
+        scores = torch.rand(b, n, E, generator=g).masked_fill(torch.arange(E) >= closed[..., None], float("-inf"))
+        picks = scores.topk(min(k, E), dim=-1).indices
+        picks = torch.where(picks < closed[..., None], picks, -1)
+    sinks = torch.randn(h, generator=g)
+    to = [t if t is None else t.to(device, dtype if t.is_floating_point() else t.dtype) for t in args]
+    return [*to, None if picks is None else picks.to(device), sinks.to(device), d ** -0.5, w, rate]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["window", "hca", "csa"])
+@pytest.mark.parametrize("n, context", [(1, 100), (4, 130), (6, 20000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compressed_attention_kernel_is_the_reference_at_v4_shapes(mode, n, context, dtype):
+    """The Triton kernel (every element written: the output is poisoned first) against the fp32 reference, one and
+    two sequences, short and long contexts (its keys split over programs and combined), and replayed from a CUDA
+    graph with new inputs."""
+    from dsv4_mtp_hf.ops.triton.compressed_attention_triton import compressed_attention_triton
+
+    seed = SEED + n + context
+    print(f"seed={seed}")
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for b in (1, 2):
+        args = _attention_inputs(mode, b, n, context, dtype, "cuda", seed)
+        want = compressed_attention_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                                for a in args])
+        out = torch.full_like(args[0], float("nan"))
+        torch.testing.assert_close(compressed_attention_triton(*args, out=out).float(), want, **tol)
+        torch.testing.assert_close(compressed_attention(*args).float(), want, **tol)
+    static = _attention_inputs(mode, 1, n, context, dtype, "cuda", seed + 1)
+    compressed_attention(*static)  # warm-up (and the split's tickets) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = compressed_attention(*static)
+    fresh = _attention_inputs(mode, 1, n, context, dtype, "cuda", seed + 2)
+    for dst, src in zip(static, fresh):
+        if torch.is_tensor(dst):
+            dst.copy_(src)
+    graph.replay()
+    want = compressed_attention_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                            for a in fresh])
+    torch.testing.assert_close(captured.float(), want, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, rate, overlap", [(512, 4, True), (128, 4, True), (512, 128, False)],
+                         ids=["csa", "indexer", "hca"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compressor_kernel_is_the_reference_at_v4_shapes(d, rate, overlap, dtype):
+    """The CUDA kernels against the reference on the same device, V4-Flash's streams, steps of 1..4 rows at lengths
+    that close no window, one, or (CSA) two, for two sequences at once: the rings and every real entry equal."""
+    seed = SEED + d + rate
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    c, ring = (2 * d if overlap else d), (2 * rate if overlap else rate) - 1 + K
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for n in range(1, K + 2):
+        for start in (rate - n, rate * 3 - 1, rate * 5 + 1):
+            length = torch.tensor([max(start, 0), max(start, 0) + rate], device="cuda")
+            nw = (rate - 1 + n) // rate
+            r = lambda *s: torch.randn(*s, generator=g).to("cuda", dtype)  # noqa: E731
+            args = [r(2, n, c), r(2, n, c), length, r(2, ring, c), r(2, ring, c), r(2, 12, d),
+                    torch.randn(rate, c, generator=g).cuda(), torch.randn(d, generator=g).cuda(),
+                    r(2, nw, 32).float(), r(2, nw, 32).float(), rate, overlap, 1e-6]
+            want = [t.clone() for t in args[3:6]]
+            compressor_step_reference(*args[:3], *want, *args[6:])
+            compressor_step(*args)
+            for got, ref in zip(args[3:6], want):
+                torch.testing.assert_close(got[:, :11], ref[:, :11], **tol)  # the spare (index 11) is scratch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, context", [(1, 100), (6, 20000)])
+def test_indexer_kernel_picks_the_reference_entries_at_v4_shapes(n, context):
+    """V4-Flash's indexer (64 heads of 128, top-512 at rate 4) from bf16 queries and entries: the CUDA path picks
+    the entries the reference picks (the same set per row, ``-1`` for none)."""
+    seed = SEED + n
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    E = context // 4 + 1
+    q, entries = torch.randn(2, n, 64, 128, generator=g), torch.randn(2, E, 128, generator=g)
+    weights = torch.randn(2, n, 64, generator=g)
+    positions = torch.tensor([[context - 9], [context // 3]]) + torch.arange(n)
+    args = [t.to("cuda", torch.bfloat16) for t in (q, entries, weights)] + [positions.cuda(), 4, 512, 128 ** -0.5, 0.125]
+    got = indexer_topk(*args).sort(dim=-1).values
+    want = indexer_topk_reference(*args).sort(dim=-1).values
+    assert torch.equal(got, want)

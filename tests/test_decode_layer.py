@@ -198,3 +198,66 @@ def test_compiled_step_computes_the_eager_step_and_writes_the_state_in_place(bac
                 assert [t.data_ptr() for t in buffers] == addresses
                 for t, b in zip(buffers, before):  # the next kind starts from the same state
                     t.copy_(b)
+
+
+def _stacked(states: list) -> list:
+    """One state whose slot b is ``states[b]``'s one sequence (each layer's ring, rings and entries stacked)."""
+    from types import SimpleNamespace
+
+    def cat(*ts):
+        return torch.cat([t.clone() for t in ts])
+
+    layers = []
+    for parts in zip(*(s.layers for s in states)):
+        streams = {name: SimpleNamespace(ring_kv=cat(*(p.streams[name].ring_kv for p in parts)),
+                                         ring_gate=cat(*(p.streams[name].ring_gate for p in parts)),
+                                         entries=cat(*(p.streams[name].entries for p in parts)))
+                   for name in parts[0].streams}
+        layers.append(SimpleNamespace(ring=cat(*(p.ring for p in parts)), streams=streams))
+    return layers
+
+
+@pytest.mark.parametrize("overrides", [SMALL_RATES, REAL_RATES], ids=["small-rates", "real-rates"])
+def test_a_step_of_several_sequences_is_each_sequence_alone(overrides):
+    """The block on ``B = 2`` sequences at different lengths (one state slot each) gives each sequence what a step
+    of it alone gives: output, ring, compressor and indexer state, through steps of 1..K+1 rows."""
+    seed = 2468
+    print(f"seed={seed}")
+    pair = Pair(seed, overrides, capacity=64)
+    cfg, model = pair.config, pair.target.model
+    g = torch.Generator().manual_seed(seed)
+    alone = [BatchedTargetState(cfg, 1, K, capacity=64) for _ in range(2)]
+    for s in alone:
+        s.allocate(torch.float32, [torch.device("cpu")] * len(pair.layers))
+    lengths = [0, 0]
+
+    def run(states_layers, streams, ids, length):
+        positions = length.view(-1, 1) + torch.arange(streams.shape[1])
+        pe = {k: model.rotary_emb(streams, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+        outs = []
+        for i, block in enumerate(pair.blocks):
+            outs.append(decode_step(block, states_layers[i], streams, ids, pe, length))
+        return outs
+
+    with torch.no_grad():
+        for b, prompt in enumerate((7, 13)):  # each sequence's prefix alone, a few rows at a time
+            for n in [K + 1] * (prompt // (K + 1)) + [prompt % (K + 1)] * bool(prompt % (K + 1)):
+                x = torch.randn(1, n, cfg.hc_mult, cfg.hidden_size, generator=g)
+                run(alone[b].layers, x, torch.randint(3, 320, (1, n), generator=g), torch.tensor([lengths[b]]))
+                lengths[b] += n
+        for n in (1, K + 1, 2, 1, K + 1):
+            together = _stacked(alone)
+            x = torch.randn(2, n, cfg.hc_mult, cfg.hidden_size, generator=g)
+            ids = torch.randint(3, 320, (2, n), generator=g)
+            got = run(together, x, ids, torch.tensor(lengths))
+            for b in range(2):
+                want = run(alone[b].layers, x[b:b + 1], ids[b:b + 1], torch.tensor([lengths[b]]))
+                for layer, (o, w) in enumerate(zip(got, want)):
+                    torch.testing.assert_close(o[b:b + 1], w, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {layer}, {n} rows: {m}")
+                for ours, theirs in zip(together, alone[b].layers):
+                    torch.testing.assert_close(ours.ring[b:b + 1], theirs.ring)
+                    for name, st in ours.streams.items():
+                        ref = theirs.streams[name]
+                        torch.testing.assert_close(st.ring_kv[b:b + 1], ref.ring_kv)
+                        torch.testing.assert_close(st.entries[b:b + 1, :-1], ref.entries[:, :-1])
+                lengths[b] += n

@@ -1,11 +1,11 @@
-"""The V4 target's attention for a decode step of one sequence (design §6): the sliding K=V window plus the
-compressed entries (HCA: every closed entry; CSA: the lightning indexer's top-k), on transformers'
-``DeepseekV4Attention`` modules (referenced, never copied) and the sequence's fixed-shape state.
+"""The V4 target's attention for a decode step of ``B`` sequences, ``n`` rows each (design §6): the sliding K=V
+window plus the compressed entries (HCA: every closed entry; CSA: the lightning indexer's top-k), on
+transformers' ``DeepseekV4Attention`` modules (referenced, never copied) and the sequences' fixed-shape state.
 
-The state (``target_runtime/batched_state.py``, one sequence slot) is read and written in place: the window
-ring ``[1, W - 1 + max_rollback, d]`` (position ``p`` in slot ``p % R``) and per compressor stream the raw-row
-rings and the entries (``dsv4_mtp::compressor_step``).  The rest is a function of the length ``L`` (a device
-tensor), so a step's shapes depend only on its row count ``n`` and a rollback only moves ``L``.
+The state (``target_runtime/batched_state.py``, a slot per sequence) is read and written in place: the window
+ring ``[B, W - 1 + max_rollback, d]`` (position ``p`` in slot ``p % R``) and per compressor stream the raw-row
+rings and the entries (``dsv4_mtp::compressor_step``).  The rest is a function of the lengths ``L [B]`` (a device
+tensor), so a step's shapes depend only on ``B`` and its row count ``n``, and a rollback only moves ``L``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.compressed_attention import compressed_attention
 from ..ops.compressor import closing_windows, compressor_step
 from ..ops.indexer import indexer_topk
-from .attention import sink_attention
 from .linear import project, project_grouped
 from .norms import RMSNorm, rms_normalize
 from .rope import apply_rope
@@ -34,8 +34,8 @@ class CompressorStream(nn.Module):
         self.rate, self.overlap, self.eps = module.compress_rate, overlap, eps
 
     def step(self, kv: torch.Tensor, gate: torch.Tensor, state, length: torch.Tensor) -> torch.Tensor:
-        """Append the step's projected rows ``[1, n, c]`` to ``state`` (its rings and entries, in place) and
-        compress the windows they close.  -> the entries ``[1, E + 1, d]``."""
+        """Append the step's projected rows ``[B, n, c]`` to ``state`` (its rings and entries, in place) and
+        compress the windows they close.  -> the entries ``[B, E + 1, d]``."""
         first, _ = closing_windows(length, kv.shape[1], self.rate)
         cos, sin = self.rotary_emb(kv, position_ids=first * self.rate, layer_type="compress")
         compressor_step(kv, gate, length, state.ring_kv, state.ring_gate, state.entries, self.position_bias,
@@ -44,8 +44,8 @@ class CompressorStream(nn.Module):
 
 
 class CompressedAttention(nn.Module):
-    """transformers' ``DeepseekV4Attention.forward`` for ``n`` new rows of one sequence, on its modules and the
-    sequence's state.  The projections that read the same row run together (``project``: q_a, kv and the
+    """transformers' ``DeepseekV4Attention.forward`` for ``n`` new rows of each of ``B`` sequences, on its modules
+    and the sequences' state.  The projections that read the same row run together (``project``: q_a, kv and the
     compressor and indexer projections; q_b and the indexer's q_b), each format apart (FP8 and bf16)."""
 
     def __init__(self, attn: nn.Module, config):
@@ -67,12 +67,13 @@ class CompressedAttention(nn.Module):
             self.index_scales = (ix.scorer.softmax_scale, ix.scorer.weights_scaling)
 
     def forward(self, x: torch.Tensor, position_embeddings: dict, state, length: torch.Tensor) -> torch.Tensor:
-        """``x [1, n, D]``: the rows at positions ``length .. length + n - 1``; ``position_embeddings``: the
-        model's ``{"main", "compress"}`` cos/sin ``[1, n, rope/2]``; ``state``: this layer's (``ring``,
-        ``streams``); ``length [1]`` int64 on x's device.  -> ``[1, n, D]``."""
-        n = x.shape[1]
+        """``x [B, n, D]``: each sequence's rows at positions ``length[b] .. length[b] + n - 1``;
+        ``position_embeddings``: the model's ``{"main", "compress"}`` cos/sin ``[B, n, rope/2]``; ``state``: this
+        layer's (``ring``, ``streams``), one slot per sequence; ``length [B]`` int64 on x's device.
+        -> ``[B, n, D]``."""
+        b, n = x.shape[:2]
         cos, sin = position_embeddings[self.rope_type]
-        positions = length + torch.arange(n, device=x.device)
+        positions = length.view(b, 1) + torch.arange(n, device=x.device)  # [B, n]
         streams = []
         for s in (self.compressor, self.indexer):
             streams += [] if s is None else [s.kv_proj, s.gate_proj]
@@ -83,40 +84,36 @@ class CompressedAttention(nn.Module):
             q, index_q = project(q_res, self.q_b_proj, self.index_q_proj)
         else:
             q, index_q = project(q_res, self.q_b_proj), None
-        q = rms_normalize(q.view(1, n, self.num_heads, self.head_dim), self.eps)
+        q = rms_normalize(q.view(b, n, self.num_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
-        groups = [self._window(apply_rope(self.kv_norm(kv), cos, sin), state.ring, positions, length)]
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
+        entries = picks = None
         if self.compressor is not None:
             entries = self.compressor.step(raw[0], raw[1], state.streams["compressor"], length)
-            if self.indexer is None:  # HCA: every closed entry, causally
-                closed = (positions + 1) // self.compressor.rate
-                groups.append((entries, (torch.arange(entries.shape[1], device=x.device) < closed[:, None]).unsqueeze(0)))
-            else:
+            if self.indexer is not None:  # CSA: the indexer's top-k entries per row; HCA: every closed entry
                 index_entries = self.indexer.step(raw[2], raw[3], state.streams["indexer"], length)
-                groups.append(self._selected(index_q, raw[4], index_entries, entries, positions,
-                                             position_embeddings["compress"]))
-        out = sink_attention(q.transpose(1, 2), self.sinks, self.scale, *groups)  # [1, n, H, d]
+                picks = self._picks(index_q, raw[4], index_entries, positions, position_embeddings["compress"])
+        rate = 0 if entries is None else self.compressor.rate
+        out = compressed_attention(q, kv, state.ring, length, entries, picks, self.sinks, self.scale, self.window,
+                                   rate)  # [B, n, H, d]
+        self._write_ring(kv, state.ring, length)
         # K=V carried RoPE into the output: undone at the query's position (as transformers does)
         out = apply_rope(out, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
-        return project(project_grouped(out.reshape(1, n, self.o_groups, -1), self.o_a_proj), self.o_b_proj)
+        return project(project_grouped(out.reshape(b, n, self.o_groups, -1), self.o_a_proj), self.o_b_proj)
 
-    def _window(self, kv: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, length: torch.Tensor):
-        """The window's keys ``[1, W - 1 + n, d]`` (the ``W - 1`` positions before the step from the ring, then the
-        step's rows) and which each row sees ``[1, n, W - 1 + n]``; then the step's rows go into the ring."""
-        n, slots, w = kv.shape[1], ring.shape[1], self.window
-        key_pos = length - (w - 1) + torch.arange(w - 1 + n, device=kv.device)
-        keys = torch.cat([ring, kv], dim=1)[:, torch.where(key_pos < length, key_pos % slots, slots + key_pos - length)]
-        delta = positions[:, None] - key_pos[None]
-        visible = (key_pos >= 0) & (delta >= 0) & (delta < w)
+    @staticmethod
+    def _write_ring(kv: torch.Tensor, ring: torch.Tensor, length: torch.Tensor) -> None:
+        """The step's rows into the window ring (after the attention read it: the last row of a long step takes the
+        slot of the first row's oldest key)."""
+        b, n, slots = kv.shape[0], kv.shape[1], ring.shape[1]
         kept = min(n, slots)
-        ring.index_copy_(1, (length + n - kept + torch.arange(kept, device=kv.device)) % slots, kv[:, n - kept:])
-        return keys, visible.unsqueeze(0)
+        at = (length.view(b, 1) + n - kept + torch.arange(kept, device=kv.device)) % slots  # [B, kept]
+        ring.index_put_((torch.arange(b, device=kv.device).view(b, 1), at), kv[:, n - kept:])
 
-    def _selected(self, index_q, index_weights, index_entries, entries, positions, compress_pe):
-        """CSA: the indexer's top-k entries of each row ``[1, n, k, d]`` and which are real picks ``[1, n, k]``."""
-        n = index_q.shape[1]
+    def _picks(self, index_q, index_weights, index_entries, positions, compress_pe):
+        """CSA: the indexer's top-k entries of each row ``[B, n, k]`` (``-1``: none; the real picks first)."""
+        b, n = index_q.shape[:2]
         cos, sin = compress_pe
-        q = apply_rope(index_q.view(1, n, self.index_heads, self.index_dim), cos.unsqueeze(2), sin.unsqueeze(2))
-        picks = indexer_topk(q, index_entries, index_weights, positions.unsqueeze(0), self.indexer.rate,
-                             self.index_topk, *self.index_scales)
-        return entries[0][picks.clamp(min=0)], picks >= 0
+        q = apply_rope(index_q.view(b, n, self.index_heads, self.index_dim), cos.unsqueeze(2), sin.unsqueeze(2))
+        return indexer_topk(q, index_entries, index_weights, positions, self.indexer.rate, self.index_topk,
+                            *self.index_scales)
