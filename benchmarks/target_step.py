@@ -232,7 +232,7 @@ def context_replay_ms(target, prompt, context: int, args) -> float:
     return ms  # None without CUDA graphs (CPU)
 
 
-def run_ours(layers: int, args, rows: list, checks: dict, contexts: list) -> None:
+def run_ours(layers: int, args, rows: list, checks: dict, contexts: list, traces: list) -> None:
     """transformers' bf16-experts target (unless --no-bf16), the same packed, then also graphed."""
     target, _, _ = build_split_target(layers, args.tiny, torch.Generator().manual_seed(SEED),
                                       packed_experts=args.no_bf16, experts=args.experts)
@@ -274,7 +274,8 @@ def run_ours(layers: int, args, rows: list, checks: dict, contexts: list) -> Non
             rows.append(row(layers, r))
             print(rows[-1], flush=True)
             if r.get("trace"):
-                print(kernel_table({**r, "layers": layers}), flush=True)
+                print(kernel_table({**r, "layers": layers}, args.top_kernels), flush=True)
+                traces.append(dict(layers=layers, label=r["label"], trace=r["trace"]))
     del target, graphs
     free()
 
@@ -353,6 +354,7 @@ def main():
     p.add_argument("--no-bf16", action="store_true", help="skip transformers' bf16-experts target")
     p.add_argument("--contexts", default="", help="comma list of context lengths (e.g. 16384,65536) at which the "
                    "graphed 1-row step is also timed (its capacity: graph_target's max_length)")
+    p.add_argument("--top-kernels", type=int, default=18, help="kernel groups printed per graphed step")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per layer (V4-Flash: 256); fewer keep a token's bytes and fit more layers")
     args = p.parse_args()
@@ -360,10 +362,10 @@ def main():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(f"seed={SEED}, {gpu}, torch {torch.__version__}, transformers {peer_fp8.transformers_version}", flush=True)
     kernel = prepare_peer(args) if args.peer != "none" else None
-    rows, checks, contexts, t0 = [], {}, [], time.perf_counter()
+    rows, checks, contexts, traces, t0 = [], {}, [], [], time.perf_counter()
     for layers in [int(x) for x in args.layers.split(",")]:
         print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: ours", flush=True)
-        run_ours(layers, args, rows, checks, contexts)
+        run_ours(layers, args, rows, checks, contexts, traces)
         if kernel is not None:
             print(f"[{time.perf_counter() - t0:.0f} s] {layers} layers: peer", flush=True)
             try:  # a failing peer must not lose our rows
@@ -378,6 +380,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "target_step.json"), "w") as f:
             json.dump({"rows": rows, "checks": checks, "contexts": contexts, "seed": SEED}, f, indent=1)
+        with open(os.path.join(args.out, "target_step_traces.json"), "w") as f:
+            json.dump(traces, f)  # each graphed step's kernels in launch order: (name, start µs, end µs)
     report(rows, checks, args.project, contexts)
 
 
