@@ -103,8 +103,8 @@ def _pool_kernel(kv_ptr, gate_ptr, len_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_pt
         g = _gate(gate_ptr, rgate_ptr, bias_ptr, ring_off, new_off, from_ring, col, bias_row, valid, j, jm, c,
                   ROUND_GATE)
         x = _load(kv_ptr, rkv_ptr, ring_off, new_off, from_ring, col, valid, j, jm)
-        p = (tl.exp(g - m[None, :]) / den[None, :]).to(x.dtype)
-        pooled += tl.sum((x * p).to(tl.float32), axis=0)
+        p = (tl.exp(g - m[None, :]) / den[None, :]).to(x.dtype).to(tl.float32)
+        pooled += tl.sum((x.to(tl.float32) * p).to(x.dtype).to(tl.float32), axis=0)  # torch's rounded product
     row = ent_ptr + b * se_b + tl.where(closes, first, spare).to(tl.int64) * se_l
     pf = pooled.to(ent_ptr.dtype.element_ty).to(tl.float32)
     var = tl.sum(tl.where(jm, pf * pf, 0.0), axis=0) / d
