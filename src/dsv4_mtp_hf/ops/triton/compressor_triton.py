@@ -3,7 +3,8 @@
 ``_pool_kernel``, grid ``(B, NW)``: a program computes one window that the step may close -- its ``rate`` (CSA:
 ``2 * rate``, the previous window's Ca half first) raw rows from the ring or the step's rows, the gate plus the
 position bias, a softmax over the rows per channel, the pooled row, RMSNorm, and RoPE on the trailing channels --
-and writes the entry (the spare when the window stays open).  Two passes over the rows, as the reference rounds:
+and writes the entry.  A window the step leaves open is skipped (the reference writes it to the spare entry,
+which nothing reads): an HCA layer computes its 128-row window once every 128 tokens.  Two passes over the rows, as the reference rounds:
 the softmax's max and sum, then the probabilities rounded to the rows' dtype times the rows, rounded, summed in
 fp32.  RoPE pairs neighbouring channels: the normed row is stored, then its RoPE channels are read back in pairs
 (a barrier between: the same program's threads).
@@ -72,7 +73,7 @@ def _gate(gate_ptr, rgate_ptr, bias_ptr, ring_off, new_off, from_ring, col, bias
 
 @triton.jit
 def _pool_kernel(kv_ptr, gate_ptr, len_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr,
-                 n, R, rate, d, c, spare, eps, half_rope,
+                 n, R, rate, d, c, eps, half_rope,
                  skv_b, skv_n, sr_b, sr_l, se_b, se_l, scs_b, scs_w,
                  OVERLAP: tl.constexpr, SLOTS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                  HALF_ROPE: tl.constexpr, ROUND_GATE: tl.constexpr, PDL: tl.constexpr = False):
@@ -81,7 +82,18 @@ def _pool_kernel(kv_ptr, gate_ptr, len_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_pt
     w = tl.program_id(1)
     L = tl.load(len_ptr + b)
     first = L // rate + w
-    closes = first < (L + n) // rate
+    if first < (L + n) // rate:  # a window left open is not computed (the reference's spare entry is scratch)
+        _pool_window(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, b, w, first, L,
+                     n, R, rate, d, c, eps, half_rope, skv_b, skv_n, sr_b, sr_l, se_b, se_l, scs_b, scs_w,
+                     OVERLAP, SLOTS, BS, D, HALF_ROPE, ROUND_GATE)
+
+
+@triton.jit
+def _pool_window(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, b, w, first, L,
+                 n, R, rate, d, c, eps, half_rope, skv_b, skv_n, sr_b, sr_l, se_b, se_l, scs_b, scs_w,
+                 OVERLAP: tl.constexpr, SLOTS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                 HALF_ROPE: tl.constexpr, ROUND_GATE: tl.constexpr):
+    """Window ``first``'s entry: the two passes, RMSNorm, RoPE."""
     j = tl.arange(0, D)
     jm = j < d
     m = tl.full([D], -1e30, dtype=tl.float32)
@@ -105,7 +117,7 @@ def _pool_kernel(kv_ptr, gate_ptr, len_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_pt
         x = _load(kv_ptr, rkv_ptr, ring_off, new_off, from_ring, col, valid, j, jm)
         p = (tl.exp(g - m[None, :]) / den[None, :]).to(x.dtype).to(tl.float32)
         pooled += tl.sum((x.to(tl.float32) * p).to(x.dtype).to(tl.float32), axis=0)  # torch's rounded product
-    row = ent_ptr + b * se_b + tl.where(closes, first, spare).to(tl.int64) * se_l
+    row = ent_ptr + b * se_b + first.to(tl.int64) * se_l
     pf = pooled.to(ent_ptr.dtype.element_ty).to(tl.float32)
     var = tl.sum(tl.where(jm, pf * pf, 0.0), axis=0) / d
     wt = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)
@@ -152,7 +164,7 @@ def compressor_step_triton(kv, gate, length, ring_kv, ring_gate, entries, positi
     kw = pdl.launch_args(kv.device)
     _pool_kernel[(b, nw)](
         kv, gate, length, ring_kv, ring_gate, entries, position_bias, norm_weight, cos, sin,
-        n, R, rate, d, c, entries.shape[1] - 1, float(eps), half,
+        n, R, rate, d, c, float(eps), half,
         kv.stride(0), kv.stride(1), ring_kv.stride(0), ring_kv.stride(1), entries.stride(0), entries.stride(1),
         cos.stride(0), cos.stride(1),
         OVERLAP=bool(overlap), SLOTS=slots, BS=bs, D=D, HALF_ROPE=triton.next_power_of_2(max(half, 1)),
