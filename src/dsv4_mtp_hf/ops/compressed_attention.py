@@ -84,7 +84,7 @@ def compressed_attention_reference(q, kv, ring, length, entries, picks, sinks, s
     logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
     sink = sinks.float().view(1, 1, -1, 1).expand(b, n, -1, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink keeps every row finite
-    return torch.einsum("bnhk,bnkd->bnhd", probs, keys).to(q.dtype)
+    return torch.einsum("bnhk,bnkd->bnhd", probs, keys).to(q.dtype).contiguous()
 
 
 @torch.library.custom_op(f"{LIB}::compressed_attention", mutates_args=())
@@ -99,7 +99,7 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, 
 @compressed_attention.register_fake
 def _(q, kv, ring, length, entries, picks, sinks, scale, window, rate):
     check_compressed_attention_inputs(q, kv, ring, length, entries, picks, sinks, window, rate)
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as every registration returns it
 
 
 def register_cuda_kernels() -> bool:
