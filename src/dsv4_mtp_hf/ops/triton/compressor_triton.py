@@ -27,8 +27,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _rows(b, first, L, n, R, rate, d, kv_ptr, ring_ptr, skv_b, skv_n, sr_b, sr_l, sl,
-          OVERLAP: tl.constexpr, SLOTS: tl.constexpr):
+def _rows(b, first, L, n, R, rate, d, skv_b, skv_n, sr_b, sr_l, sl, OVERLAP: tl.constexpr):
     """Slots ``sl``' raw-row offsets into the ring and into the step's rows, which to take, the column offset
     (CSA: the Cb half for this window's rows), the position-bias row and whether the slot exists."""
     if OVERLAP:  # slots [0, rate): window first - 1's rows, Ca half; [rate, 2 rate): this window's, Cb half
@@ -44,7 +43,7 @@ def _rows(b, first, L, n, R, rate, d, kv_ptr, ring_ptr, skv_b, skv_n, sr_b, sr_l
         valid = sl < rate
     from_ring = pos < L
     ring_off = b * sr_b + tl.where(pos >= 0, pos % R, 0) * sr_l
-    new_off = b * skv_b + tl.minimum(tl.maximum(pos - L, 0), n - 1) * skv_n  # open windows: clamped rows (spare)
+    new_off = b * skv_b + tl.maximum(pos - L, 0) * skv_n  # a closing window's rows end within the step
     return ring_off, new_off, from_ring, col, bias_row, valid
 
 
@@ -100,8 +99,8 @@ def _pool_window(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_ptr, w_ptr,
     den = tl.zeros([D], dtype=tl.float32)
     for s0 in tl.static_range(0, SLOTS, BS):  # pass 1: the softmax's max and sum per channel
         sl = s0 + tl.arange(0, BS)
-        ring_off, new_off, from_ring, col, bias_row, valid = _rows(b, first, L, n, R, rate, d, kv_ptr, rkv_ptr, skv_b,
-                                                                   skv_n, sr_b, sr_l, sl, OVERLAP, SLOTS)
+        ring_off, new_off, from_ring, col, bias_row, valid = _rows(b, first, L, n, R, rate, d, skv_b, skv_n, sr_b,
+                                                                   sr_l, sl, OVERLAP)
         g = _gate(gate_ptr, rgate_ptr, bias_ptr, ring_off, new_off, from_ring, col, bias_row, valid, j, jm, c,
                   ROUND_GATE)
         m_new = tl.maximum(m, tl.max(g, axis=0))
@@ -110,8 +109,8 @@ def _pool_window(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, ent_ptr, bias_ptr, w_ptr,
     pooled = tl.zeros([D], dtype=tl.float32)
     for s0 in tl.static_range(0, SLOTS, BS):  # pass 2: probabilities (rounded) times the rows (rounded), summed
         sl = s0 + tl.arange(0, BS)
-        ring_off, new_off, from_ring, col, bias_row, valid = _rows(b, first, L, n, R, rate, d, kv_ptr, rkv_ptr, skv_b,
-                                                                   skv_n, sr_b, sr_l, sl, OVERLAP, SLOTS)
+        ring_off, new_off, from_ring, col, bias_row, valid = _rows(b, first, L, n, R, rate, d, skv_b, skv_n, sr_b,
+                                                                   sr_l, sl, OVERLAP)
         g = _gate(gate_ptr, rgate_ptr, bias_ptr, ring_off, new_off, from_ring, col, bias_row, valid, j, jm, c,
                   ROUND_GATE)
         x = _load(kv_ptr, rkv_ptr, ring_off, new_off, from_ring, col, valid, j, jm)
