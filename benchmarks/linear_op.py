@@ -407,12 +407,12 @@ def fp8_sweep(args):
         for m in (1, 16):
             x = torch.randn(m, k * groups, device="cuda").bfloat16()
             want = fp8_linear_reference(x.float(), q, s, groups)
-            base = pick_config(m, n, k, groups, sms)
+            base = pick_config(m, (n,), k, groups, sms)
             res = []
             for c in [base] + fp8_sweep_configs(base):
                 try:
-                    err = float((fp8_linear_triton(x, q, s, groups, c).float() - want).norm() / want.norm())
-                    res.append((timer.graphed_us(lambda c=c: fp8_linear_triton(x, q, s, groups, c)), c, err))
+                    err = float((fp8_linear_triton(x, [q], [s], groups, c).float() - want).norm() / want.norm())
+                    res.append((timer.graphed_us(lambda c=c: fp8_linear_triton(x, [q], [s], groups, c)), c, err))
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the variant
                     print(f"  {name} M={m} {c}: {type(e).__name__}: {str(e)[:120]}")
             bad = [r for r in res if r[2] > 1e-2]

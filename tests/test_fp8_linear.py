@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, DeepseekV4ForCausalLM
 
 from dsv4_mtp_hf import graph_target, pack_fp4_experts
 from dsv4_mtp_hf.fp8 import quantize_fp8_block
-from dsv4_mtp_hf.ops.fp8_linear import fp8_linear, fp8_linear_op, fp8_linear_reference
+from dsv4_mtp_hf.layers.linear import project
+from dsv4_mtp_hf.ops.fp8_linear import (fp8_linear, fp8_linear_cat_op, fp8_linear_cat_reference, fp8_linear_op,
+                                       fp8_linear_reference)
 from dsv4_mtp_hf.target_runtime.experts import DeepseekV4PackedExpertsForCausalLM
 from dsv4_mtp_hf.target_runtime.fp8_linears import FP8BlockLinear, fp8_linear_bytes, quantize_fp8_linears
 
@@ -54,6 +56,27 @@ def test_bad_inputs_name_the_problem():
         fp8_linear_op(torch.randn(2, 128), q, s.float())
     with pytest.raises(TypeError, match="2-D float8_e4m3fn"):
         FP8BlockLinear(q.float(), s)
+
+
+def test_fp8_linear_cat_is_each_projection_and_project_pairs_fp8_modules():
+    """``fp8_linear_cat`` equals each weight's ``fp8_linear`` side by side; ``project`` runs FP8 block modules two
+    to an op beside plain linears and gives each module what calling it gives; bad inputs name the problem."""
+    print(f"seed={SEED}")
+    gen = torch.Generator().manual_seed(SEED)
+    mods = [FP8BlockLinear(*quantize_fp8_block(torch.randn(n, 256, generator=gen))) for n in (200, 128, 64)]
+    plain = torch.nn.Linear(256, 48, bias=False)
+    x = torch.randn(2, 3, 256, generator=gen)
+    got = fp8_linear_cat_op(x.view(6, 256), [m.weight for m in mods[:2]], [m.weight_scale_inv for m in mods[:2]])
+    torch.testing.assert_close(got, torch.cat([m(x.view(6, 256)) for m in mods[:2]], -1), rtol=0, atol=0)
+    torch.library.opcheck(fp8_linear_cat_op, (x.view(6, 256), [m.weight for m in mods[:2]],
+                                              [m.weight_scale_inv for m in mods[:2]]),
+                            test_utils=("test_faketensor", "test_aot_dispatch_static"))  # schema mode: no CPU fp8 mul
+    for y, m in zip(project(x, mods[0], plain, mods[1], mods[2]), (mods[0], plain, mods[1], mods[2])):
+        torch.testing.assert_close(y, m(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one scale per weight"):
+        fp8_linear_cat_op(x.view(6, 256), [mods[0].weight], [])
+    with pytest.raises(ValueError, match="does not match weight"):
+        fp8_linear_cat_op(x.view(6, 256)[:, :128], [m.weight for m in mods[:2]], [m.weight_scale_inv for m in mods[:2]])
 
 
 def native_fp8_release(path, target, experts, seed):
@@ -181,6 +204,23 @@ def test_cuda_kernel_matches_the_reference_on_v4_flash_shapes(rows):
         got = fp8_linear_op(x, q, s, groups).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-2, f"N={n} K={k} groups={groups} rows={rows}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_cuda_cat_kernel_matches_the_reference_on_v4_flash_pairs(rows):
+    """Two FP8 weights that read one input in one launch (q_a + kv, q_b + the indexer's q_b, the shared expert's
+    gate + up), and an odd pair whose widths are not whole tiles."""
+    print(f"seed={SEED}")
+    gen = torch.Generator().manual_seed(SEED)
+    for (n0, n1), k in [((1024, 512), 4096), ((32768, 8192), 1024), ((2048, 2048), 4096), ((200, 72), 300)]:
+        ws = [quantize_fp8_block(torch.randn(n, k, generator=gen) * 0.02) for n in (n0, n1)]
+        q, s = [w.cuda() for w, _ in ws], [sc.float().cuda() for _, sc in ws]
+        x = torch.randn(rows, k, generator=gen).bfloat16().cuda()
+        want = fp8_linear_cat_reference(x.float(), q, s)
+        got = fp8_linear_cat_op(x, q, s).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, f"N={n0}+{n1} K={k} rows={rows}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu

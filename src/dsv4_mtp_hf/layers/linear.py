@@ -1,9 +1,9 @@
 """Dense projections: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear`` on CUDA for a
 decode step's few rows (design §8; ``ops/skinny_linear.py``).
 
-:func:`project` takes the bias-free projections that read the same input.  Modules that are not
-plain ``nn.Linear`` (hooks, adapters, quantised layers such as the target's FP8 projections) are
-called as they are.  The plain ones on CPU, for dtypes other than bf16, under autograd or for more
+:func:`project` takes the bias-free projections that read the same input.  FP8 block projections (a
+release's, ``target_runtime/fp8_linears.py``) run two to a ``dsv4_mtp::fp8_linear_cat``; other modules that
+are not plain ``nn.Linear`` (hooks, adapters, other quantised layers) are called as they are.  The plain ones on CPU, for dtypes other than bf16, under autograd or for more
 than ``MAX_ROWS`` rows run ``F.linear`` on their weight -- the reference path, unchanged.  Otherwise
 they run two to a kernel launch and the result is split per module (each output element is the same
 dot product either way).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.fp8_linear import fp8_linear_cat
 from ..ops.skinny_linear import grouped_linear, linear_weights, skinny_linear_sum, use_skinny
 
 
@@ -28,6 +29,13 @@ def plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear and m.bias is None and unhooked(m)
 
 
+def fp8_block(m: nn.Module) -> bool:
+    """An unhooked, ungrouped FP8 block projection (its FP8 weight and block scales are all it computes)."""
+    weight = getattr(m, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
+            and hasattr(m, "weight_scale_inv") and getattr(m, "groups", 1) == 1 and unhooked(m))
+
+
 def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether :func:`project` takes the fused CUDA path for ``x`` and ``linears``."""
     return len(linears) <= 2 and all(plain_linear(m) for m in linears) and use_skinny(x, *(m.weight for m in linears))
@@ -35,12 +43,19 @@ def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:
 
 def project(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``linear(x)`` for each module (a tuple when several, the tensor when one): the plain ones together
-    (:func:`~dsv4_mtp_hf.ops.skinny_linear.linear_weights`), the others each called."""
-    plain = [i for i, m in enumerate(linears) if plain_linear(m)]
+    (:func:`~dsv4_mtp_hf.ops.skinny_linear.linear_weights`), the FP8 block ones two to a launch, the others
+    each called."""
     out = [None] * len(linears)
+    plain = [i for i, m in enumerate(linears) if plain_linear(m)]
     if plain:
         ys = linear_weights(x, *(linears[i].weight for i in plain))
         for i, y in zip(plain, ys if len(plain) > 1 else (ys,)):
+            out[i] = y
+    fp8 = [i for i, m in enumerate(linears) if fp8_block(m)]
+    for pair in (fp8[j : j + 2] for j in range(0, len(fp8) - 1, 2)):  # a last odd one is called below
+        mods = [linears[i] for i in pair]
+        ys = fp8_linear_cat(x, [m.weight for m in mods], [m.weight_scale_inv for m in mods])
+        for i, y in zip(pair, ys):
             out[i] = y
     out = tuple(m(x) if y is None else y for m, y in zip(linears, out))
     return out[0] if len(out) == 1 else out

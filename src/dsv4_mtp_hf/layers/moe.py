@@ -9,7 +9,7 @@ from .. import fp4
 from ..ops.fp4_moe import clamped_swiglu, fp4_moe
 from ..ops.moe_route import hash_route, moe_route
 from ..ops.mtp_moe import mtp_moe
-from .linear import plain_linear, project, unhooked
+from .linear import fp8_block, plain_linear, project, unhooked
 
 
 class Router(nn.Module):
@@ -87,13 +87,6 @@ class FP4Experts(nn.Module):
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, format={self.format.name}"
 
 
-def _fp8_block(m: nn.Module) -> bool:
-    """An unhooked, ungrouped FP8 block projection (its weight and block scales are all it computes)."""
-    weight = getattr(m, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
-            and hasattr(m, "weight_scale_inv") and getattr(m, "groups", 1) == 1 and unhooked(m))
-
-
 class SharedExpert(nn.Module):
     """SwiGLU with V4's asymmetric clamp: gate clipped above only, up clipped both ways."""
 
@@ -122,7 +115,7 @@ class SharedExpert(nn.Module):
         """``(w1, w3, w2, s1, s3, s2)`` when the expert is three unhooked FP8 block projections (a release's,
         ``target_runtime/fp8_linears.py``) and no gradient is wanted, else None."""
         mods = (self.gate_proj, self.up_proj, self.down_proj)
-        if not (unhooked(self) and all(_fp8_block(m) for m in mods)) or torch.is_grad_enabled() and x.requires_grad:
+        if not (unhooked(self) and all(fp8_block(m) for m in mods)) or torch.is_grad_enabled() and x.requires_grad:
             return None
         return tuple(m.weight for m in mods) + tuple(m.weight_scale_inv for m in mods)
 

@@ -11,6 +11,9 @@ to summation order, at half its weight bytes.
 * ``fp8_linear(x [M, G*K], weight [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] float32,
   groups=G) -> [M, N]`` in x's dtype; ``G > 1`` is the grouped projection of ``skinny_linear`` (``wo_a``:
   group g reads x columns ``[g*K, (g+1)*K)`` and writes output columns ``[g*N/G, (g+1)*N/G)``).
+* ``fp8_linear_cat(x [M, K], [w_0, w_1], [s_0, s_1]) -> [M, N_0 + N_1]``: the projections that read the same
+  input (``q_a`` and ``kv``, ``q_b`` and the indexer's ``q_b``, the shared expert's gate and up) in one weight
+  stream -- each output element is the same dot product as ``fp8_linear``'s.
 
 The reference below is the source of truth (CPU and tests).  The CUDA registration
 (``ops/triton/fp8_linear_triton.py``) streams the FP8 weight once for up to 64 rows and runs the reference
@@ -55,9 +58,23 @@ def check_fp8_linear_inputs(x: torch.Tensor, weight: torch.Tensor, scale: torch.
                          f"{groups} group(s)")
 
 
+def check_fp8_linear_cat_inputs(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
+    """``fp8_linear_inputs`` for each weight, which must all read x's K columns."""
+    if not weights or len(weights) != len(scales):
+        raise ValueError(f"fp8_linear_cat: one scale per weight and at least one weight, got {len(weights)} weight(s) "
+                         f"and {len(scales)} scale(s)")
+    for weight, scale in zip(weights, scales):
+        check_fp8_linear_inputs(x, weight, scale)
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """``F.linear`` (grouped: ``skinny_linear``'s einsum) of x with the dequantised weight in x's dtype."""
     return skinny_linear_reference(x, dequantize_fp8_block(weight, scale, x.dtype), groups)
+
+
+def fp8_linear_cat_reference(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    """One :func:`fp8_linear_reference` per weight, concatenated along the output columns."""
+    return torch.cat([fp8_linear_reference(x, w, s) for w, s in zip(weights, scales)], dim=-1)
 
 
 @torch.library.custom_op(f"{LIB}::fp8_linear", mutates_args=())
@@ -73,6 +90,19 @@ def _(x, weight, scale, groups=1):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op(f"{LIB}::fp8_linear_cat", mutates_args=())
+def fp8_linear_cat_op(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    """Registration for every device without a faster kernel: the reference math."""
+    check_fp8_linear_cat_inputs(x, weights, scales)
+    return fp8_linear_cat_reference(x, weights, scales)
+
+
+@fp8_linear_cat_op.register_fake
+def _(x, weights, scales):
+    check_fp8_linear_cat_inputs(x, weights, scales)
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """``x [..., G*K]`` -> ``[..., N]`` through ``dsv4_mtp::fp8_linear`` (any leading dims)."""
     lead = x.shape[:-1]
@@ -80,8 +110,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     return out.view(*lead, weight.shape[0])
 
 
+def fp8_linear_cat(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``x [..., K]`` through each FP8 weight with its scales -> one ``[..., N_i]`` per weight, from one
+    ``dsv4_mtp::fp8_linear_cat`` (a launch on CUDA per two weights)."""
+    lead = x.shape[:-1]
+    out = fp8_linear_cat_op(x.reshape(-1, x.shape[-1]), list(weights), list(scales))
+    return tuple(y.view(*lead, y.shape[-1]) for y in out.split([w.shape[0] for w in weights], dim=-1))
+
+
 def register_cuda_kernels() -> bool:
-    """Register the Triton kernel behind ``dsv4_mtp::fp8_linear`` (on import when CUDA is present)."""
+    """Register the Triton kernels behind ``dsv4_mtp::fp8_linear(_cat)`` (on import when CUDA is present)."""
     return register_triton_kernels("fp8_linear_triton", "dsv4_mtp::fp8_linear")
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ._kernels import register_triton_kernels
 from .fp4_moe import LIB, clamped_swiglu, fp4_moe
-from .fp8_linear import fp8_linear
+from .fp8_linear import fp8_linear, fp8_linear_cat_op
 from .moe_route import hash_route, moe_route
 from .skinny_linear import linear_weights, skinny_linear_cat, use_skinny
 
@@ -57,7 +57,7 @@ def shared_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch
     the SwiGLU in fp32 and rounded to x's dtype before ``w2`` (``layers.moe.SharedExpert``).  ``scales``:
     the FP8 weights' block scales (``w1, w3, w2``), run by ``dsv4_mtp::fp8_linear``."""
     if scales is not None:
-        gate_up = torch.cat([fp8_linear(x, w1, scales[0]), fp8_linear(x, w3, scales[1])], dim=-1)
+        gate_up = fp8_linear_cat_op(x.reshape(-1, x.shape[-1]), [w1, w3], list(scales[:2])).view(*x.shape[:-1], -1)
         return fp8_linear(clamped_swiglu_op(gate_up, limit), w2, scales[2])
     if use_skinny(x, w1, w3):  # gate and up in one launch, the SwiGLU in one more
         return linear_weights(clamped_swiglu_op(skinny_linear_cat(x, [w1, w3]), limit), w2)
