@@ -97,6 +97,26 @@ def test_hc_ops_cpu_registrations_are_the_layer_math_and_compiled_hc_post_is_the
     torch.testing.assert_close(compiled(o, x, post, comb), hc_post(o, x, post, comb), rtol=1e-6, atol=1e-6)
 
 
+def test_hc_post_pre_is_hc_post_then_the_next_hc_pre_and_checks_its_shapes():
+    """``HyperConnection.after`` (the op's CPU registration too) is the previous sub-block's ``hc_post`` and then
+    this one's ``hc_pre``; mismatched leading dims name the inputs."""
+    from dsv4_mtp_hf.ops.hyper_connection import hc_post_pre_op
+
+    first, second = make_hc(4, 16), make_hc(4, 16)
+    x, o = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 16)
+    _, post, comb = first(x)
+    mixed = hc_post(o, x, post, comb)
+    want = (mixed, *second(mixed))
+    args = (second.fn, second.base, second.scale, 20, 1e-6, 1e-6)
+    with torch.no_grad():
+        for got in (second.after(o, x, post, comb), hc_post_pre_op(o, x, post, comb, *args)):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+        torch.library.opcheck(hc_post_pre_op, (o, x, post.contiguous(), comb.contiguous(), *args))
+        with pytest.raises(ValueError, match="must share their leading dims"):
+            hc_post_pre_op(o[:, :2], x, post, comb, *args)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lead,n,d,dtype,iters", [
     ((1,), 4, 4096, torch.bfloat16, 20), ((16,), 4, 4096, torch.bfloat16, 1), ((2, 3), 4, 256, torch.float32, 20),
@@ -105,7 +125,8 @@ def test_hc_ops_cpu_registrations_are_the_layer_math_and_compiled_hc_post_is_the
 def test_fused_hc_kernels_write_every_output_and_match_the_reference_on_cuda(lead, n, d, dtype, iters, monkeypatch):
     """The CUDA implementations, outputs NaN-poisoned (only block 0 forms post and comb, every block
     collapses its slice), against the fp64 reference; the dispatcher gives the same bits."""
-    from dsv4_mtp_hf.ops.hyper_connection import hc_head_op, hc_head_reference, hc_pre_op, hc_pre_reference
+    from dsv4_mtp_hf.ops.hyper_connection import (hc_head_op, hc_head_reference, hc_post_pre_op,
+                                                  hc_post_pre_reference, hc_pre_op, hc_pre_reference)
     from dsv4_mtp_hf.ops.triton import hyper_connection_triton as hct
 
     x = torch.randn(*lead, n, d, device="cuda").to(dtype)
@@ -132,3 +153,17 @@ def test_fused_hc_kernels_write_every_output_and_match_the_reference_on_cuda(lea
     torch.testing.assert_close(yh.double(), want_h, **ytol)
     assert torch.equal(hc_pre_op(x, fn, base, scale, iters, 1e-6, 1e-6)[0], y)
     assert torch.equal(hc_head_op(x, hfn, hbase, hscale, 1e-6, 1e-6), yh)
+    # hc_post_pre: the previous sub-block's hc_post fused in front (the reference in fp32, its own math)
+    o, post0 = torch.randn(*lead, d, device="cuda").to(dtype), torch.rand(*lead, n, device="cuda") * 2
+    comb0 = torch.rand(*lead, n, n, device="cuda")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", poisoned_empty)
+        got = hct._hc_post_pre_cuda(o, x, post0, comb0, fn, base, scale, iters, 1e-6, 1e-6)
+    want = hc_post_pre_reference(o, x, post0, comb0, fn, base, scale, iters, 1e-6, 1e-6)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=8e-3 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(got[1].float(), want[1].float(), **ytol)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(hc_post_pre_op(o, x, post0, comb0, fn, base, scale, iters, 1e-6,
+                                                                1e-6), got))

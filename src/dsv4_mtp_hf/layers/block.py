@@ -45,8 +45,7 @@ class DeepseekV4Block(nn.Module):
     def forward(self, streams, *attention_args, mlp_kwargs: dict | None = None, **attention_kwargs):
         collapsed, post, comb = self.attn_hc(streams)
         attn = self.self_attn(self.input_layernorm(collapsed), *attention_args, **attention_kwargs)
-        streams = hc_post(attn, streams, post, comb)
-        collapsed, post, comb = self.ffn_hc(streams)
+        streams, collapsed, post, comb = self.ffn_hc.after(attn, streams, post, comb)
         return hc_post(self.mlp(self.post_attention_layernorm(collapsed), **(mlp_kwargs or {})), streams, post, comb)
 
 

@@ -9,18 +9,8 @@ matrix (Sinkhorn-Knopp).  ``hc_head`` collapses the streams once at the end.
 import torch
 from torch import nn
 
-from ..ops.hyper_connection import hc_head, hc_mixes, hc_pre, hc_weights  # noqa: F401  (hc_mixes re-exported)
+from ..ops.hyper_connection import hc_head, hc_mixes, hc_post, hc_post_pre, hc_pre, hc_weights  # noqa: F401
 from ..ops.sinkhorn import sinkhorn  # noqa: F401  (the mHC comb matrix; re-exported)
-
-
-def hc_post(branch_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``x'_k = post_k * o + sum_j comb[j, k] * x_j`` (sum over the FIRST index)."""
-    xs, out = streams.float(), post.unsqueeze(-1) * branch_out.float().unsqueeze(-2)
-    if torch.compiler.is_compiling():  # n multiply-adds: Inductor fuses them into one kernel (a bmm it would not)
-        for j in range(streams.shape[-2]):
-            out = out + comb[..., j, :].unsqueeze(-1) * xs[..., j : j + 1, :]
-        return out.to(streams.dtype)
-    return (out + torch.einsum("...jk,...jd->...kd", comb, xs)).to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -50,6 +40,12 @@ class HyperConnection(nn.Module):
         """-> (collapsed block input ``[..., D]`` in the streams' dtype, post, comb); one fused
         op on CUDA (``dsv4_mtp::hc_pre``)."""
         return hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.rms_eps)
+
+    def after(self, branch_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        """The previous sub-block's ``hc_post(branch_out, streams, post, comb)``, then this one's :meth:`forward`
+        -> (the mixed streams, block input, post, comb); one fused op on CUDA (``dsv4_mtp::hc_post_pre``)."""
+        return hc_post_pre(branch_out, streams, post, comb, self.fn, self.base, self.scale, self.sinkhorn_iters,
+                           self.hc_eps, self.rms_eps)
 
 
 class HyperHead(nn.Module):

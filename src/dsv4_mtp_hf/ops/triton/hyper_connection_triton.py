@@ -1,7 +1,9 @@
-"""Triton kernels behind ``dsv4_mtp::hc_pre`` / ``dsv4_mtp::hc_head`` on CUDA, two launches:
+"""Triton kernels behind ``dsv4_mtp::hc_pre`` / ``hc_post_pre`` / ``hc_head`` on CUDA, two launches:
 
 1. ``_mix_partial_kernel`` grid ``(T, SPLIT)``: the ``[M, n*D]`` fp32 GEMV split along K, each
-   program writing its M partial dots and partial sum of squares (the RMS factor).
+   program writing its M partial dots and partial sum of squares (the RMS factor).  With ``POST``
+   (``hc_post_pre``) a program first forms its slice of the mixed streams (``hc_post``: one stream's
+   ``BLOCK_K`` columns from every old stream's), rounds and writes it, and reads the GEMV's input from that.
 2. ``_finish_kernel`` grid ``(T, cdiv(D, BLOCK_D))``: each program sums the partials in a fixed
    order, forms ``pre`` (a few flops, recomputed per block instead of a third launch) and collapses
    its slice of D; block 0 alone also forms ``post`` and the Sinkhorn ``comb``.
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hyper_connection import collapse, hc_head_op, hc_head_reference, hc_pre_op, hc_weights
+from ..hyper_connection import collapse, hc_head_op, hc_head_reference, hc_post, hc_post_pre_op, hc_pre_op, hc_weights
 from . import pdl
 from .pdl import wait
 
@@ -27,16 +29,27 @@ _MIX_CONFIGS = [triton.Config({}, num_warps=w) for w in (1, 2, 4)]
 _FINISH_CONFIGS = [triton.Config({"BLOCK_D": b}, num_warps=w) for b, w in ((256, 1), (512, 1), (512, 2), (1024, 4))]
 
 
-@triton.autotune(configs=_MIX_CONFIGS, key=["K", "M", "SPLIT"])
+@triton.autotune(configs=_MIX_CONFIGS, key=["K", "M", "SPLIT", "POST"])
 @triton.jit
-def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, K, D, M: tl.constexpr,
+                        M_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, N: tl.constexpr,
+                        POST: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     t = tl.program_id(0)
     s = tl.program_id(1)
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
-    xk = tl.load(x_ptr + t * K + k, mask=kmask, other=0.0).to(tl.float32)
+    if POST:  # D % BLOCK_K == 0: the slice is columns d of stream j
+        j = s * BLOCK_K // D
+        d = k - j * D
+        mixed = tl.load(post_ptr + t * N + j) * tl.load(o_ptr + t * D + d).to(tl.float32)
+        for i in tl.static_range(N):  # hc_post's order: post * o, then each old stream's term
+            mixed += tl.load(comb_ptr + t * N * N + i * N + j) * tl.load(x_ptr + t * K + i * D + d).to(tl.float32)
+        mixed = mixed.to(new_ptr.dtype.element_ty)
+        tl.store(new_ptr + t * K + k, mixed)
+        xk = mixed.to(tl.float32)
+    else:
+        xk = tl.load(x_ptr + t * K + k, mask=kmask, other=0.0).to(tl.float32)
     rows = tl.arange(0, M_PAD)
     w = tl.load(fn_ptr + rows[:, None] * K + k[None, :], mask=(rows < M)[:, None] & kmask[None, :], other=0.0)
     acc = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
@@ -91,7 +104,9 @@ def _supported(x: torch.Tensor, fn: torch.Tensor, mixes: int) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x[..., 0, 0].numel() <= MAX_TOKENS)
 
 
-def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool):
+def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool, after=None):
+    """``after``: ``(branch_out, post, comb)`` of the previous sub-block, whose ``hc_post`` of ``x`` the GEMV
+    reads (``hc_post_pre``); the mixed streams are then returned first."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     xt = x.reshape(-1, n, d)
@@ -102,16 +117,20 @@ def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool):
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     post = torch.empty(t, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    mixed = torch.empty_like(xt) if after is not None else xt
     if t:
         part = torch.empty(t, split, m_pad + 1, dtype=torch.float32, device=x.device)
         pdl_kw = pdl.launch_args(x.device)
-        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, k, M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K,
+        o, post_in, comb_in = (a.contiguous() for a in after) if after is not None else (xt, post, comb)
+        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, o, post_in.float(), comb_in.float(), mixed, k, d,
+                                        M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K, N=n, POST=after is not None,
                                         **pdl_kw)
         _finish_kernel[lambda meta: (t, triton.cdiv(d, meta["BLOCK_D"]))](
-            xt, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
+            mixed, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
             SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), ITERS=iters, HC_EPS=hc_eps, RMS_EPS=rms_eps,
             HEAD=head, **pdl_kw)
-    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+    out = (y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n))
+    return out if after is None else (mixed.view(*lead, n, d), *out)
 
 
 @hc_pre_op.register_kernel("cuda")
@@ -122,6 +141,17 @@ def _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, rms_eps):
         return collapse(pre, x), post.float(), comb.float()
     with torch.cuda.device(x.device):  # Triton launches on the current device, not the tensor's
         return _launch(x.contiguous(), fn, base, scale, iters, hc_eps, rms_eps, head=False)
+
+
+@hc_post_pre_op.register_kernel("cuda")
+def _hc_post_pre_cuda(branch_out, streams, post, comb, fn, base, scale, iters, hc_eps, rms_eps):
+    n, d = streams.shape[-2:]
+    if iters < 1 or d % BLOCK_K or branch_out.dtype != streams.dtype or not _supported(streams, fn, (2 + n) * n):
+        mixed = hc_post(branch_out, streams, post, comb)  # PyTorch math, hc_pre through its own op
+        return (mixed, *hc_pre_op(mixed, fn, base, scale, iters, hc_eps, rms_eps))
+    with torch.cuda.device(streams.device):
+        return _launch(streams.contiguous(), fn, base, scale, iters, hc_eps, rms_eps, head=False,
+                       after=(branch_out, post, comb))
 
 
 @hc_head_op.register_kernel("cuda")
