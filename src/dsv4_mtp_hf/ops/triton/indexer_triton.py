@@ -1,10 +1,11 @@
-"""Triton kernel behind ``dsv4_mtp::indexer_topk`` (``ops/indexer.py``): the scores in one launch, then top-k.
+"""Triton kernels behind ``dsv4_mtp::indexer_topk`` (``ops/indexer.py``): the scores, top-k, the picks.
 
 ``_scores_kernel``, grid ``(B * n, E / BLOCK_E)``: a program scores ``BLOCK_E`` entries for one query row,
-``sum_h w_h relu(q_h . K_e)`` over the row's heads in fp32 (the reference's precision: the picks are a discrete
-choice, so the scores are not rounded through bf16), with the entries of windows the row has not closed at
-``-inf``.  The entries past the row's closed count are not read.  ``torch.topk`` then picks (one more launch),
-and picks of masked entries become ``-1`` (one more).
+``sum_h w_h relu(q_h . K_e)`` over the row's heads with fp32 accumulation (bf16 / fp16 inputs on the tensor cores:
+their products are exact in fp32; fp32 inputs as IEEE fp32), never rounded through bf16 (the picks are a discrete
+choice), with the entries of windows the row has not closed at ``-inf``.  The entries past the row's closed count
+are not read.  ``torch.topk`` (unsorted) then picks, and ``_picks_kernel`` writes the contract's picks: a row with
+at most ``k`` closed entries picks each of them in order, then ``-1``; a row with more keeps top-k's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ BLOCK_E = 32
 @triton.jit
 def _scores_kernel(q_ptr, ent_ptr, w_ptr, pos_ptr, out_ptr, n, H, d, E, rate, softmax_scale, weights_scale,
                    sq_r, sq_h, se_b, se_e, sw_r, so_r,
-                   HP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                   HP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr = False):
     wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     b = r // n
@@ -36,15 +38,29 @@ def _scores_kernel(q_ptr, ent_ptr, w_ptr, pos_ptr, out_ptr, n, H, d, E, rate, so
         hm = h < H
         j = tl.arange(0, D)
         jm = j < d
-        q = tl.load(q_ptr + r * sq_r + h[:, None] * sq_h + j[None, :], mask=hm[:, None] & jm[None, :],
-                    other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + r * sq_r + h[:, None] * sq_h + j[None, :], mask=hm[:, None] & jm[None, :], other=0.0)
         keys = tl.load(ent_ptr + b * se_b + e[:, None].to(tl.int64) * se_e + j[None, :],
-                       mask=visible[:, None] & jm[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [HP, BLOCK_E]
+                       mask=visible[:, None] & jm[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [HP, BLOCK_E]
+        else:  # exact products, fp32 accumulation
+            s = tl.dot(q, tl.trans(keys))
         w = tl.load(w_ptr + r * sw_r + h, mask=hm, other=0.0).to(tl.float32) * weights_scale
         s = tl.sum(tl.maximum(s, 0.0) * softmax_scale * w[:, None], axis=0)
         scores = tl.where(visible, s, float("-inf"))
     tl.store(out_ptr + r * so_r + e, scores, mask=e < E)
+
+
+@triton.jit
+def _picks_kernel(idx_ptr, pos_ptr, out_ptr, rate, K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Row ``r``'s picks: with at most ``K`` closed entries each of them, then ``-1``; else top-k's indices."""
+    wait(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    closed = (tl.load(pos_ptr + r) + 1) // rate
+    top = tl.load(idx_ptr + r * K + j, mask=j < K, other=-1)
+    picks = tl.where(closed > K, top, tl.where(j < closed, j.to(tl.int64), -1))
+    tl.store(out_ptr + r * K + j, picks, mask=j < K)
 
 
 @indexer_topk_op.register_kernel("cuda")
@@ -54,13 +70,21 @@ def _indexer_topk_cuda(q, entries, weights, positions, rate, k, softmax_scale, w
     E = entries.shape[1]
     q, weights, positions = q.contiguous(), weights.contiguous(), positions.contiguous()
     entries = entries if entries.stride(-1) == 1 else entries.contiguous()
+    ieee = q.dtype == torch.float32 or entries.dtype == torch.float32
+    if q.dtype != entries.dtype:
+        q, entries = q.float(), entries.float()
     scores = torch.empty(b, n, E, dtype=torch.float32, device=q.device)
+    kk = min(k, E)
+    picks = torch.empty(b, n, kk, dtype=torch.long, device=q.device)
     if b * n and E:
         with torch.cuda.device(q.device):
+            pdl_kw = pdl.launch_args(q.device)
             _scores_kernel[(b * n, triton.cdiv(E, BLOCK_E))](
                 q, entries, weights, positions, scores, n, h, d, E, int(rate), float(softmax_scale),
                 float(weights_scale), q.stride(1), q.stride(2), entries.stride(0), entries.stride(1), weights.stride(1),
                 E, HP=max(16, triton.next_power_of_2(h)), D=max(16, triton.next_power_of_2(d)), BLOCK_E=BLOCK_E,
-                num_warps=4, **pdl.launch_args(q.device))
-    picks = scores.topk(min(k, E), dim=-1).indices
-    return torch.where(picks < ((positions + 1) // rate).unsqueeze(-1), picks, -1)
+                IEEE=ieee, num_warps=4, **pdl_kw)
+            top = scores.topk(kk, dim=-1, sorted=False).indices.contiguous()  # order: _picks_kernel's rule
+            _picks_kernel[(b * n,)](top, positions, picks, int(rate), K=kk, BLOCK_K=triton.next_power_of_2(kk),
+                                    num_warps=4, **pdl_kw)
+    return picks
