@@ -42,9 +42,10 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, o_ptr, post_ptr, comb_ptr, new_
     if POST:  # D % BLOCK_K == 0: the slice is columns d of stream j
         j = s * BLOCK_K // D
         d = k - j * D
-        mixed = tl.load(post_ptr + t * N + j) * tl.load(o_ptr + t * D + d).to(tl.float32)
+        mixed = tl.load(post_ptr + t * N + j).to(tl.float32) * tl.load(o_ptr + t * D + d).to(tl.float32)
         for i in tl.static_range(N):  # hc_post's order: post * o, then each old stream's term
-            mixed += tl.load(comb_ptr + t * N * N + i * N + j) * tl.load(x_ptr + t * K + i * D + d).to(tl.float32)
+            mixed += (tl.load(comb_ptr + t * N * N + i * N + j).to(tl.float32)
+                      * tl.load(x_ptr + t * K + i * D + d).to(tl.float32))
         mixed = mixed.to(new_ptr.dtype.element_ty)
         tl.store(new_ptr + t * K + k, mixed)
         xk = mixed.to(tl.float32)
@@ -74,7 +75,7 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_p
     r = 1.0 / tl.sqrt(ss / K + RMS_EPS)
     j = tl.arange(0, N)
     m_pre = tl.sum(tl.load(part[:, None] + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
-    pre = tl.sigmoid(m_pre * tl.load(scale_ptr) + tl.load(base_ptr + j)) + HC_EPS
+    pre = tl.sigmoid(m_pre * tl.load(scale_ptr).to(tl.float32) + tl.load(base_ptr + j).to(tl.float32)) + HC_EPS
     d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     # x is loaded before block 0's Sinkhorn so that the load's latency overlaps it
@@ -82,11 +83,12 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_p
     if not HEAD:
         if db == 0:  # the other programs only collapse: they skip post and the Sinkhorn
             m_post = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=spmask[:, None], other=0.0), axis=0) * r
-            post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
+            post = 2.0 * tl.sigmoid(m_post * tl.load(scale_ptr + 1).to(tl.float32)
+                                   + tl.load(base_ptr + N + j).to(tl.float32))
             tl.store(post_ptr + t * N + j, post)
             idx = 2 * N + j[:, None] * N + j[None, :]  # comb logits, row-major n x n
             m_c = tl.sum(tl.load(part[:, None, None] + idx[None, :, :], mask=spmask[:, None, None], other=0.0), axis=0)
-            c = m_c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + idx)
+            c = m_c * r * tl.load(scale_ptr + 2).to(tl.float32) + tl.load(base_ptr + idx).to(tl.float32)
             e = tl.exp(c - tl.max(c, axis=1)[:, None])
             c = e / tl.sum(e, axis=1)[:, None] + HC_EPS  # row softmax + eps
             c = c / (tl.sum(c, axis=0)[None, :] + HC_EPS)  # columns
@@ -122,11 +124,11 @@ def _launch(x, fn, base, scale, iters, hc_eps, rms_eps, head: bool, after=None):
         part = torch.empty(t, split, m_pad + 1, dtype=torch.float32, device=x.device)
         pdl_kw = pdl.launch_args(x.device)
         o, post_in, comb_in = (a.contiguous() for a in after) if after is not None else (xt, post, comb)
-        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, o, post_in.float(), comb_in.float(), mixed, k, d,
+        _mix_partial_kernel[(t, split)](xt, fn.contiguous(), part, o, post_in, comb_in, mixed, k, d,
                                         M=m, M_PAD=m_pad, SPLIT=split, BLOCK_K=BLOCK_K, N=n, POST=after is not None,
                                         **pdl_kw)
         _finish_kernel[lambda meta: (t, triton.cdiv(d, meta["BLOCK_D"]))](
-            mixed, part, base.float().contiguous(), scale.float().contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
+            mixed, part, base.contiguous(), scale.contiguous(), y, post, comb, k, d, N=n, M_PAD=m_pad,
             SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), ITERS=iters, HC_EPS=hc_eps, RMS_EPS=rms_eps,
             HEAD=head, **pdl_kw)
     out = (y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n))
