@@ -261,3 +261,24 @@ def test_a_step_of_several_sequences_is_each_sequence_alone(overrides):
                         torch.testing.assert_close(st.ring_kv[b:b + 1], ref.ring_kv)
                         torch.testing.assert_close(st.entries[b:b + 1, :-1], ref.entries[:, :-1])
                 lengths[b] += n
+
+
+def test_rotary_tables_are_transformers_rotary_embedding_bit_for_bit():
+    """The decode step's RoPE tables (one product per entry) equal transformers' module's, whichever way the
+    installed transformers spells them; a module with a hook runs (the hook fires)."""
+    print("seed=57")
+    from dsv4_mtp_hf.layers.rope import rotary_tables
+
+    target, _ = tiny_pair(seed=57, target_overrides=REAL_RATES)
+    rotary = target.model.rotary_emb
+    positions = torch.randint(0, 70000, (2, 5), generator=torch.Generator().manual_seed(57))
+    like = torch.zeros(2, 5, 8, dtype=torch.bfloat16)
+    for layer_type in ("main", "compress"):
+        for got, want in zip(rotary_tables(rotary, like, positions, layer_type),
+                             rotary(like, position_ids=positions, layer_type=layer_type)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    calls = []
+    handle = rotary.register_forward_hook(lambda *a: calls.append(1))
+    rotary_tables(rotary, like, positions, "main")
+    handle.remove()
+    assert calls == [1]

@@ -18,7 +18,7 @@ from ..ops.compressor import closing_windows, compressor_step
 from ..ops.indexer import indexer_topk
 from .linear import project, project_grouped
 from .norms import RMSNorm, rms_normalize
-from .rope import apply_rope
+from .rope import apply_rope, rotary_tables
 
 _CSA = "compressed_sparse_attention"
 
@@ -37,7 +37,7 @@ class CompressorStream(nn.Module):
         """Append the step's projected rows ``[B, n, c]`` to ``state`` (its rings and entries, in place) and
         compress the windows they close.  -> the entries ``[B, E + 1, d]``."""
         first, _ = closing_windows(length, kv.shape[1], self.rate)
-        cos, sin = self.rotary_emb(kv, position_ids=first * self.rate, layer_type="compress")
+        cos, sin = rotary_tables(self.rotary_emb, kv, first * self.rate, "compress")
         compressor_step(kv, gate, length, state.ring_kv, state.ring_gate, state.entries, self.position_bias,
                         self.norm.weight, cos, sin, self.rate, self.overlap, self.eps)
         return state.entries

@@ -7,6 +7,24 @@ uses plain RoPE (no YaRN).
 
 import torch
 
+from .linear import unhooked
+
+_DYNAMIC_ROPE = ("dynamic", "longrope")  # types whose tables transformers recomputes from the sequence length
+
+
+def rotary_tables(rotary_emb, like: torch.Tensor, positions: torch.Tensor, layer_type: str):
+    """transformers' V4 ``rotary_emb(like, position_ids=positions, layer_type=layer_type)`` -> cos, sin ``[..., rope/2]``
+    in ``like``'s dtype.  A static RoPE type is computed here as one fp32 product per entry: transformers <= 5.24
+    spells it as a matmul of inner size 1 (the same product, but a cuBLAS launch per table that Inductor cannot
+    fuse).  Dynamic types, and a module with hooks, run the module."""
+    types = getattr(rotary_emb, "rope_type", None)
+    if not isinstance(types, dict) or types.get(layer_type, "dynamic") in _DYNAMIC_ROPE or not unhooked(rotary_emb):
+        return rotary_emb(like, position_ids=positions, layer_type=layer_type)
+    inv_freq = getattr(rotary_emb, f"{layer_type}_inv_freq")
+    scaling = getattr(rotary_emb, f"{layer_type}_attention_scaling")
+    freqs = positions[..., None].float() * inv_freq.to(device=like.device, dtype=torch.float)
+    return (freqs.cos() * scaling).to(like.dtype), (freqs.sin() * scaling).to(like.dtype)
+
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions ``[B, S]`` -> fp32 cos, sin ``[B, S, rope_dim // 2]``."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import takes_cache_kwarg
+from ..layers.rope import rotary_tables
 from ..ops.hyper_connection import hc_pre
 from .batched_state import BatchedSequence, BatchedTargetState
 from .dtypes import norms_to_compute_dtype
@@ -221,7 +222,7 @@ class RaggedTargetForward:
 
     def streams_in(self, embeds, positions):
         """RoPE tables of the rows (``{"main", "compress"}``) and the embeddings as ``hc_mult`` streams."""
-        pe = {k: self.model.rotary_emb(embeds, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+        pe = {k: rotary_tables(self.model.rotary_emb, embeds, positions, k) for k in ("main", "compress")}
         return pe, embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
 
     def block(self, layer, hidden, ids, pe, attend) -> torch.Tensor:
