@@ -34,19 +34,35 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, hm, d, dm, so_r, so_h,
+def _row_tiles(len_ptr, r, n, rate, E, K, WIN_TILES: tl.constexpr, BLOCK_L: tl.constexpr, MODE: tl.constexpr):
+    """Row ``r``'s sequence ``b``, index ``i``, length ``L``, position ``p``, count of entries and of key tiles."""
+    b = (r // n).to(tl.int64)
+    i = r % n
+    L = tl.load(len_ptr + b)
+    p = L + i
+    if MODE == 0:
+        count = p * 0
+    elif MODE == 1:
+        count = tl.minimum((p + 1) // rate, E)
+    else:
+        count = tl.minimum((p + 1) // rate, K)
+    return b, i, L, p, count, WIN_TILES + tl.cdiv(count, BLOCK_L)
+
+
+@triton.jit
+def _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, hm, d, dm, so_r, so_h, active,
              HP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr):
-    """Row ``r``'s heads ``h`` from the NSPLIT partials, split 0 first (a fixed order).  ``.cg``: the partials come
-    from other programs of the launch, read from the L2."""
+    """Row ``r``'s heads ``h`` from the partials of its ``active`` splits (those with keys), split 0 first (a fixed
+    order).  ``.cg``: the partials come from other programs of the launch, read from the L2."""
     base = r * NSPLIT * HP + h  # split 0's statistics row, [rows, NSPLIT, HP]
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     m = sink
-    for i in tl.static_range(NSPLIT):
+    for i in range(active):
         m = tl.maximum(m, tl.load(m_ptr + base + i * HP, cache_modifier=".cg"))
     den = tl.exp(sink - m)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    for i in tl.static_range(NSPLIT):
-        w = tl.exp(tl.load(m_ptr + base + i * HP, cache_modifier=".cg") - m)  # 0 for an empty split
+    for i in range(active):
+        w = tl.exp(tl.load(m_ptr + base + i * HP, cache_modifier=".cg") - m)
         den += tl.load(den_ptr + base + i * HP, cache_modifier=".cg") * w
         acc += tl.load(acc_ptr + (base + i * HP)[:, None].to(tl.int64) * D + d[None, :], cache_modifier=".cg") * w[:, None]
     out = acc / den[:, None]
@@ -55,27 +71,23 @@ def _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, hm, d, dm, so_r, 
 
 
 @triton.jit
-def _tile_keys(t, b, i, L, p, count, window, n, R, kv_ptr, ring_ptr, ent_ptr, picks_ptr,
-               skv_b, skv_n, sr_b, sr_l, se_b, se_l, sp_b, sp_n,
-               BLOCK_L: tl.constexpr, WIN_TILES: tl.constexpr, MODE: tl.constexpr):
-    """Tile ``t``'s key rows (pointers ``[BLOCK_L]``) and which of them the row sees."""
-    j = t * BLOCK_L + tl.arange(0, BLOCK_L)
-    if t < WIN_TILES:  # the window: key position L - (W - 1) + j
-        kp = L - (window - 1) + j
-        vis = (j < window - 1 + n) & (kp >= 0) & (kp <= p) & (p - kp < window)
-        ring_rows = ring_ptr + b * sr_b + tl.where(kp >= 0, kp % R, 0).to(tl.int64) * sr_l
-        new_rows = kv_ptr + b * skv_b + tl.where(kp >= L, kp - L, 0).to(tl.int64) * skv_n
-        rows = tl.where(kp < L, ring_rows, new_rows)
+def _attend(q, rows, vis, d, dm, m, den, acc, scale, IEEE: tl.constexpr):
+    """One tile of keys (row pointers ``rows [BLOCK_L]``, ``vis``: which the row sees) into the online softmax."""
+    keys = tl.load(rows[:, None] + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee")
     else:
-        e = j - WIN_TILES * BLOCK_L
-        if MODE == 2:  # CSA: the indexer's picks
-            idx = tl.load(picks_ptr + b * sp_b + i * sp_n + e, mask=e < count, other=-1)
-            vis = idx >= 0
-        else:  # HCA: the closed entries in order
-            idx = e
-            vis = e < count
-        rows = ent_ptr + b * se_b + tl.where(vis, idx, 0).to(tl.int64) * se_l
-    return rows, vis
+        s = tl.dot(q, tl.trans(keys))
+    s = tl.where(vis[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    pr = tl.exp(s - m_new[:, None])
+    den = den * alpha + tl.sum(pr, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(keys.dtype), keys, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(keys.dtype), keys)
+    return m_new, den, acc
 
 
 @triton.jit
@@ -89,44 +101,35 @@ def _compressed_attention_kernel(
     r = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    b = (r // n).to(tl.int64)
-    i = r % n
+    b, i, L, p, count, tiles = _row_tiles(len_ptr, r, n, rate, E, K, WIN_TILES, BLOCK_L, MODE)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
     d = tl.arange(0, D)
     dm = d < d_real
-    L = tl.load(len_ptr + b)
-    p = L + i
     q = tl.load(q_ptr + b * sq_b + i * sq_n + h[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    if MODE == 0:
-        count = p * 0
-    elif MODE == 1:
-        count = tl.minimum((p + 1) // rate, E)
-    else:
-        count = tl.minimum((p + 1) // rate, K)
-    tiles = WIN_TILES + tl.cdiv(count, BLOCK_L)
     m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     t0 = split * tiles_per_split
-    for t in range(t0, tl.minimum(t0 + tiles_per_split, tiles)):
-        rows, vis = _tile_keys(t, b, i, L, p, count, window, n, R, kv_ptr, ring_ptr, ent_ptr, picks_ptr,
-                               skv_b, skv_n, sr_b, sr_l, se_b, se_l, sp_b, sp_n, BLOCK_L, WIN_TILES, MODE)
-        keys = tl.load(rows[:, None] + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
-        s = tl.where(vis[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        pr = tl.exp(s - m_new[:, None])
-        den = den * alpha + tl.sum(pr, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(keys.dtype), keys, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(keys.dtype), keys)
-        m = m_new
+    t1 = tl.minimum(t0 + tiles_per_split, tiles)
+    # two loops with branch-free bodies (the key rows of a tile are one formula each), so that both pipeline
+    for t in range(t0, tl.minimum(t1, WIN_TILES)):  # the window: key position L - (W - 1) + j
+        j = t * BLOCK_L + tl.arange(0, BLOCK_L)
+        kp = L - (window - 1) + j
+        vis = (j < window - 1 + n) & (kp >= 0) & (kp <= p) & (p - kp < window)
+        ring_rows = ring_ptr + b * sr_b + tl.where(kp >= 0, kp % R, 0).to(tl.int64) * sr_l
+        new_rows = kv_ptr + b * skv_b + tl.where(kp >= L, kp - L, 0).to(tl.int64) * skv_n
+        m, den, acc = _attend(q, tl.where(kp < L, ring_rows, new_rows), vis, d, dm, m, den, acc, scale, IEEE)
+    for t in range(tl.maximum(t0, WIN_TILES), t1):  # the compressed entries
+        e = (t - WIN_TILES) * BLOCK_L + tl.arange(0, BLOCK_L)
+        if MODE == 2:  # CSA: the indexer's picks
+            idx = tl.load(picks_ptr + b * sp_b + i * sp_n + e, mask=e < count, other=-1)
+            vis = idx >= 0
+        else:  # HCA: the closed entries in order
+            idx = e
+            vis = e < count
+        rows = ent_ptr + b * se_b + tl.where(vis, idx, 0).to(tl.int64) * se_l
+        m, den, acc = _attend(q, rows, vis, d, dm, m, den, acc, scale, IEEE)
     if NSPLIT == 1:
         sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
         m_fin = tl.maximum(m, sink)
@@ -136,27 +139,38 @@ def _compressed_attention_kernel(
         tl.store(out_ptr + r.to(tl.int64) * so_r + h[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=hm[:, None] & dm[None, :])
     else:
-        row = (r * NSPLIT + split) * HP + h  # workspace: statistics [rows, NSPLIT, HP], accumulators [.., D]
-        tl.store(m_ptr + row, m)
-        tl.store(den_ptr + row, den)
-        tl.store(acc_ptr + row[:, None].to(tl.int64) * D + d[None, :], acc)
+        active = tl.cdiv(tiles, tiles_per_split)  # the splits with keys: only they write and are combined
+        if split < active:
+            row = (r * NSPLIT + split) * HP + h  # workspace: statistics [rows, NSPLIT, HP], accumulators [.., D]
+            tl.store(m_ptr + row, m)
+            tl.store(den_ptr + row, den)
+            tl.store(acc_ptr + row[:, None].to(tl.int64) * D + d[None, :], acc)
         if TICKET:
             tl.debug_barrier()  # every thread's partial stores precede the ticket (released by it)
             ticket = ticket_ptr + r * tl.num_programs(1) + hb
             if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:  # the last of the splits
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # clean for the next call / replay
-                _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, hm, d, dm, so_r, so_h, HP, BLOCK_H, D, NSPLIT)
+                _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, hm, d, dm, so_r, so_h, active, HP, BLOCK_H,
+                         D, NSPLIT)
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, H, d_real, so_r, so_h,
-                    D: tl.constexpr, HP: tl.constexpr, BLOCK_H: tl.constexpr, NSPLIT: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _combine_kernel(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, len_ptr, n, H, d_real, E, K, rate, tiles_per_split,
+                    so_r, so_h, D: tl.constexpr, HP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                    WIN_TILES: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, h < H, d, d < d_real, so_r, so_h, HP, BLOCK_H, D, NSPLIT)
+    tiles = _row_tiles(len_ptr, r, n, rate, E, K, WIN_TILES, BLOCK_L, MODE)[5]
+    _combine(acc_ptr, m_ptr, den_ptr, sink_ptr, out_ptr, r, h, h < H, d, d < d_real, so_r, so_h,
+             tl.cdiv(tiles, tiles_per_split), HP, BLOCK_H, D, NSPLIT)
+
+
+def key_block(d_pad: int) -> int:
+    """Keys per tile: about 8K elements.  [64, 512] bf16 tiles at V4's head size took 255 registers a thread and
+    spilled ~230 (BENCHMARKS.md, 2026-12-08)."""
+    return max(16, min(64, 8192 // d_pad))
 
 
 def pick_config(rows: int, head_blocks: int, max_tiles: int, d: int, device: torch.device) -> tuple[int, int]:
@@ -176,7 +190,7 @@ def compressed_attention_triton(q, kv, ring, length, entries, picks, sinks, scal
     mode = 0 if entries is None else (2 if picks is not None else 1)
     big = max(d, 16)
     D = 1 << (big - 1).bit_length()
-    block_l = 64 if D <= 512 else 32  # [64, 1024] keys would crowd shared memory
+    block_l = key_block(D)
     win_tiles = triton.cdiv(window - 1 + n, block_l)
     E = 0 if entries is None else entries.shape[1]
     K = 0 if picks is None else picks.shape[2]
@@ -209,8 +223,9 @@ def compressed_attention_triton(q, kv, ring, length, entries, picks, sinks, scal
         **pdl.launch_args(q.device),
     )
     if nsplit > 1 and ticket is None:  # captured before the tickets existed: combine in a second launch
-        _combine_kernel[(rows, n_hb)](acc, m, den, sinks, out, h, d, h * d, d, D=D, HP=hp, BLOCK_H=BLOCK_H,
-                                      NSPLIT=nsplit, num_warps=num_warps, **pdl.launch_args(q.device))
+        _combine_kernel[(rows, n_hb)](acc, m, den, sinks, out, length, n, h, d, E, K, int(rate), tiles_per_split,
+                                      h * d, d, D=D, HP=hp, BLOCK_H=BLOCK_H, BLOCK_L=block_l, WIN_TILES=win_tiles,
+                                      MODE=mode, NSPLIT=nsplit, num_warps=num_warps, **pdl.launch_args(q.device))
     return out
 
 
