@@ -4,8 +4,13 @@
 ``sum_h w_h relu(q_h . K_e)`` over the row's heads with fp32 accumulation (bf16 / fp16 inputs on the tensor cores:
 their products are exact in fp32; fp32 inputs as IEEE fp32), never rounded through bf16 (the picks are a discrete
 choice), with the entries of windows the row has not closed at ``-inf``.  The entries past the row's closed count
-are not read.  ``torch.topk`` (unsorted) then picks, and ``_picks_kernel`` writes the contract's picks: a row with
-at most ``k`` closed entries picks each of them in order, then ``-1``; a row with more keeps top-k's.
+are not read.
+
+``_topk_kernel``, grid ``(B * n,)``, writes the contract's picks: a row with at most ``k`` closed entries picks each
+of them in order, then ``-1``; a row with more picks its ``k`` best by a radix select over its closed scores only
+(four 8-bit passes of a histogram of the order-preserving bit patterns, then one pass that emits the entries
+above the threshold and the first ones equal to it), in index order.  So the work follows the context, not the
+capacity the graph was captured for (``torch.topk`` scanned every entry of the capacity).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .pdl import wait
 from ..indexer import check_indexer_inputs, indexer_topk_op
 
 BLOCK_E = 32
+TOPK_BLOCK = 2048  # scores per step of the radix select's passes
 
 
 @triton.jit
@@ -52,15 +58,55 @@ def _scores_kernel(q_ptr, ent_ptr, w_ptr, pos_ptr, out_ptr, n, H, d, E, rate, so
 
 
 @triton.jit
-def _picks_kernel(idx_ptr, pos_ptr, out_ptr, rate, K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Row ``r``'s picks: with at most ``K`` closed entries each of them, then ``-1``; else top-k's indices."""
+def _ordered(x):
+    """fp32 -> uint32 whose unsigned order is the floats' order (-inf lowest)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    flip = tl.where((bits >> 31) != 0, tl.full([], 0xFFFFFFFF, tl.uint32), tl.full([], 0x80000000, tl.uint32))
+    return bits ^ flip
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, pos_ptr, out_ptr, E, rate, so_r, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     r = tl.program_id(0).to(tl.int64)
+    closed = tl.minimum((tl.load(pos_ptr + r) + 1) // rate, E)
     j = tl.arange(0, BLOCK_K)
-    closed = (tl.load(pos_ptr + r) + 1) // rate
-    top = tl.load(idx_ptr + r * K + j, mask=j < K, other=-1)
-    picks = tl.where(closed > K, top, tl.where(j < closed, j.to(tl.int64), -1))
-    tl.store(out_ptr + r * K + j, picks, mask=j < K)
+    out = out_ptr + r * K
+    if closed <= K:  # every closed entry, then none
+        tl.store(out + j, tl.where(j < closed, j.to(tl.int64), -1), mask=j < K)
+    else:
+        row = scores_ptr + r * so_r
+        e0 = tl.arange(0, BLOCK)
+        bins = tl.arange(0, 256)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        fixed = tl.zeros([], dtype=tl.uint32)  # the bits of the threshold found so far
+        need = K  # picks still to find among the keys that match the prefix
+        for shift in tl.static_range(24, -8, -8):
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c in range(0, closed, BLOCK):
+                e = c + e0
+                key = _ordered(tl.load(row + e, mask=e < closed, other=0.0))
+                match = (e < closed) & ((key & fixed) == prefix)
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
+            at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys of this digit or above
+            digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1  # the digit the k-th best has
+            need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            prefix |= digit.to(tl.uint32) << shift
+            fixed |= tl.full([], 0xFF, dtype=tl.uint32) << shift
+        taken = 0  # emitted so far; `need` of the keys equal to the threshold are taken, the first ones
+        equal_before = 0
+        for c in range(0, closed, BLOCK):
+            e = c + e0
+            key = _ordered(tl.load(row + e, mask=e < closed, other=0.0))
+            valid = e < closed
+            equal = valid & (key == prefix)
+            rank = tl.cumsum(equal.to(tl.int32), axis=0) - 1 + equal_before
+            take = (valid & (key > prefix)) | (equal & (rank < need))
+            slot = tl.cumsum(take.to(tl.int32), axis=0) - 1 + taken
+            tl.store(out + slot, e.to(tl.int64), mask=take)
+            taken += tl.sum(take.to(tl.int32), axis=0)
+            equal_before += tl.sum(equal.to(tl.int32), axis=0)
 
 
 @indexer_topk_op.register_kernel("cuda")
@@ -84,7 +130,6 @@ def _indexer_topk_cuda(q, entries, weights, positions, rate, k, softmax_scale, w
                 float(weights_scale), q.stride(1), q.stride(2), entries.stride(0), entries.stride(1), weights.stride(1),
                 E, HP=max(16, triton.next_power_of_2(h)), D=max(16, triton.next_power_of_2(d)), BLOCK_E=BLOCK_E,
                 IEEE=ieee, num_warps=4, **pdl_kw)
-            top = scores.topk(kk, dim=-1, sorted=False).indices.contiguous()  # order: _picks_kernel's rule
-            _picks_kernel[(b * n,)](top, positions, picks, int(rate), K=kk, BLOCK_K=triton.next_power_of_2(kk),
-                                    num_warps=4, **pdl_kw)
+            _topk_kernel[(b * n,)](scores, positions, picks, E, int(rate), E, K=kk,
+                                   BLOCK_K=triton.next_power_of_2(kk), BLOCK=TOPK_BLOCK, num_warps=8, **pdl_kw)
     return picks
