@@ -353,3 +353,25 @@ def test_many_projections_of_one_row_run_two_to_a_launch_on_cuda(monkeypatch):
         for w, out in zip(ws, outs):
             want = F.linear(x.float(), w.float())
             assert float((out.float() - want).norm() / want.norm()) < 1e-2, f"seed={SEED}"
+
+
+@pytest.mark.gpu
+def test_split_k_by_ticket_gives_the_bits_of_the_reduce_launch(monkeypatch):
+    """Split-K tiles summed by their last program (tickets) equal the separate reduce launch a graph captured
+    before the tickets exist uses, for the bf16 and the FP8 kernels; the tickets are left at zero."""
+    from dsv4_mtp_hf.fp8 import quantize_fp8_block
+    from dsv4_mtp_hf.ops.triton import fp8_linear_triton as ft, persistent, skinny_linear_triton as st
+
+    g = gen()
+    ws = _weights((1024, 512), 4096, torch.bfloat16, g)
+    x = rand(3, 4096, g=g, dtype=torch.bfloat16, device="cuda")
+    q, s = zip(*(quantize_fp8_block(w.float().cpu()) for w in ws))
+    q, s = [t.cuda() for t in q], [t.float().cuda() for t in s]
+    assert st.pick_config(3, (1024, 512), 4096, 1, torch.bfloat16).split > 1 and ft.pick_config(3, (1024, 512), 4096, 1).split > 1
+    ticketed = st.skinny_linear_triton(x, ws), ft.fp8_linear_triton(x, q, s)
+    monkeypatch.setattr(st, "split_tickets", lambda *a: None)
+    monkeypatch.setattr(ft, "split_tickets", lambda *a: None)
+    reduced = st.skinny_linear_triton(x, ws), ft.fp8_linear_triton(x, q, s)
+    assert all(torch.equal(a, b) for a, b in zip(ticketed, reduced)), f"seed={SEED}"
+    torch.cuda.synchronize()
+    assert all(int(b.abs().sum()) == 0 for (name, _), b in persistent._BUFFERS.items() if "linear_tickets" in name)

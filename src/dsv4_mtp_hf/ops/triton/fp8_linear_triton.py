@@ -1,11 +1,11 @@
 """Triton kernel behind ``dsv4_mtp::fp8_linear`` on CUDA: a W8A16 weight stream for a few rows.
 
 The layout of ``skinny_linear_triton`` ("swap AB": ``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16
-by masked loads, one program per ``BLOCK_N`` output columns, K split over programs with a fixed-order
-reduction when N alone cannot fill the GPU).  The weight tile is FP8: it is widened to x's dtype in
+by masked loads, one program per ``BLOCK_N`` output columns, K split over programs when N alone cannot fill
+the GPU, the last of a tile's programs summing the partials in a fixed order: ``split_tail``).  The weight tile is FP8: it is widened to x's dtype in
 registers (exact: e4m3 values fit bf16), multiplied in a fresh accumulator per 128-column K block and added
 times that block's scale.  ``BLOCK_N`` divides 128 and tiles start at multiples of it, so a tile lies in
-one scale row and every K step reads one scale.  No atomics, fixed grids, no host sync: CUDA-graph safe.
+one scale row and every K step reads one scale.  Fixed grids, no host sync: CUDA-graph safe, deterministic.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..fp8_linear import (BLOCK, check_fp8_linear_cat_inputs, check_fp8_linear_i
                           fp8_linear_cat_reference, fp8_linear_op, fp8_linear_reference)
 from . import pdl
 from .pdl import wait
-from .skinny_linear_triton import REDUCE_BLOCK, _reduce_kernel, _sm_count
+from .skinny_linear_triton import REDUCE_BLOCK, _reduce_kernel, _sm_count, split_tail, split_tickets
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference runs: a GEMM on the dequantised weight
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # fp32 activations run the reference
@@ -36,9 +36,10 @@ class Fp8Config:
 
 
 @triton.jit
-def _fp8_tile(x_ptr, w_ptr, s_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_sn, stride_om, n_tile, col0,
-              x_col0, k_lo, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr):
+def _fp8_tile(x_ptr, w_ptr, s_ptr, part_ptr, out_ptr, ticket_ptr, tile, M, Nw, K, stride_xm, stride_wn, stride_sn,
+              stride_om, stride_os, n_tile, col0, x_col0, k_lo, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+              TICKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr):
     """Output columns ``col0 + [n_tile * BLOCK_N, +BLOCK_N)`` of one weight ``[Nw, K]``, over K columns
     ``[k_lo, k_lo + K_SPLIT)``; a tile lies in one scale row (BLOCK_N divides SCALE_BLOCK)."""
     rn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,34 +64,37 @@ def _fp8_tile(x_ptr, w_ptr, s_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stri
         acc += tl.dot(w.to(xt.dtype), xt) * s
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    o_ptrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + (col0 + rn)[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
+    split_tail(acc, part_ptr, out_ptr, ticket_ptr, tile, M, Nw, stride_om, stride_os, n_tile, col0, SPLIT, TICKET,
+               BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_linear_kernel(x_ptr, w0_ptr, s0_ptr, w1_ptr, s1_ptr, out_ptr, M, N0, N1, K, stride_xm, stride_w0,
-                       stride_s0, stride_w1, stride_s1, stride_om, stride_os, TILES0, N_PER_GROUP,
-                       K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr, TWO: tl.constexpr, GROUPED: tl.constexpr,
-                       PDL: tl.constexpr = False):
+def _fp8_linear_kernel(x_ptr, w0_ptr, s0_ptr, w1_ptr, s1_ptr, part_ptr, out_ptr, ticket_ptr, M, N0, N1, K, stride_xm,
+                       stride_w0, stride_s0, stride_w1, stride_s1, stride_om, stride_os, TILES0, N_PER_GROUP,
+                       K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN: tl.constexpr,
+                       TWO: tl.constexpr, GROUPED: tl.constexpr, PDL: tl.constexpr = False):
     """Programs ``[0, TILES0)`` write weight 0's columns; with ``TWO`` the rest write weight 1's after them."""
     wait(PDL)
     pid = tl.program_id(0)
     k_lo = tl.program_id(1) * K_SPLIT
-    out_ptr += tl.program_id(1).to(tl.int64) * stride_os
+    part_ptr += tl.program_id(1).to(tl.int64) * stride_os
     if TWO:
         if pid < TILES0:
-            _fp8_tile(x_ptr, w0_ptr, s0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_s0, stride_om, pid, 0,
-                      0, k_lo, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, EVEN)
+            _fp8_tile(x_ptr, w0_ptr, s0_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N0, K, stride_xm, stride_w0,
+                      stride_s0, stride_om, stride_os, pid, 0, 0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M, BLOCK_N,
+                      BLOCK_K, SCALE_BLOCK, EVEN)
         else:
-            _fp8_tile(x_ptr, w1_ptr, s1_ptr, out_ptr, M, N1, K, stride_xm, stride_w1, stride_s1, stride_om,
-                      pid - TILES0, N0, 0, k_lo, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, EVEN)
+            _fp8_tile(x_ptr, w1_ptr, s1_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N1, K, stride_xm, stride_w1,
+                      stride_s1, stride_om, stride_os, pid - TILES0, N0, 0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M,
+                      BLOCK_N, BLOCK_K, SCALE_BLOCK, EVEN)
     else:
         x_col0 = 0
         if GROUPED:
             x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
-        _fp8_tile(x_ptr, w0_ptr, s0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_s0, stride_om, pid, 0,
-                  x_col0, k_lo, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, EVEN)
+        _fp8_tile(x_ptr, w0_ptr, s0_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N0, K, stride_xm, stride_w0,
+                  stride_s0, stride_om, stride_os, pid, 0, x_col0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M, BLOCK_N,
+                  BLOCK_K, SCALE_BLOCK, EVEN)
 
 
 def pick_config(m: int, ns: tuple[int, ...], k: int, groups: int, sms: int = 132) -> Fp8Config | None:
@@ -145,14 +149,17 @@ def fp8_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], scales: list
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     (w0, s0), (w1, s1) = (weights[0], scales[0]), (weights[-1], scales[-1])
     tiles0 = triton.cdiv(ns[0], bn)
+    grid = (sum(triton.cdiv(v, bn) for v in ns), split)
+    tickets = split_tickets("fp8_linear_tickets", x.device, grid[0]) if split > 1 else None
     pdl_kw = pdl.launch_args(x.device)
-    _fp8_linear_kernel[(sum(triton.cdiv(v, bn) for v in ns), split)](
-        x, w0, s0, w1, s1, target, m, ns[0], ns[-1], k, x.stride(0), w0.stride(0), s0.stride(0), w1.stride(0),
-        s1.stride(0), n, m * n, tiles0, ns[0] // groups, K_SPLIT=k_split, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=bn, BLOCK_K=bk, SCALE_BLOCK=BLOCK, EVEN=even, TWO=len(weights) > 1, GROUPED=groups > 1,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
+    _fp8_linear_kernel[grid](
+        x, w0, s0, w1, s1, target, out, tickets if tickets is not None else out, m, ns[0], ns[-1], k, x.stride(0),
+        w0.stride(0), s0.stride(0), w1.stride(0), s1.stride(0), n, m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
+        SPLIT=split, TICKET=tickets is not None, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
+        SCALE_BLOCK=BLOCK, EVEN=even, TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_kw,
     )
-    if split > 1:
+    if split > 1 and tickets is None:  # captured before the tickets existed: sum the partials in a second launch
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
                                                              num_warps=4, **pdl_kw)
     return out

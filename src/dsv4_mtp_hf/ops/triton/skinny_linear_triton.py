@@ -4,10 +4,12 @@ A weight-streaming GEMM for a few rows (M <= 64): the weight is the A operand ("
 ``acc[BLOCK_N, BLOCK_M] += W @ x^T``, rows padded to 16 by masked loads), so the tensor cores
 take the few rows for free and the software pipeliner keeps ``num_stages - 1`` weight tiles in
 flight.  One program per ``BLOCK_N`` output columns; when N alone cannot fill the GPU, K is
-split over ``SPLIT`` programs writing fp32 partials that ``_reduce_kernel`` sums in a fixed order.
+split over ``SPLIT`` programs writing fp32 partials that the last of a tile's programs (by ticket) sums in a
+fixed order (``split_tail``; ``_reduce_kernel`` when a graph is captured before the tickets exist).
 Two weights sharing the input (``_cat``) are two tile ranges of one launch; grouped ``wo_a``
 reads x columns ``[g*K, (g+1)*K)`` for group g; ``_skinny_sum_kernel`` walks ``w0`` then ``w1``
-into one accumulator.  No atomics, fixed grids, no host sync: CUDA-graph safe, deterministic.
+into one accumulator.  Fixed grids, no host sync, fixed summation order: CUDA-graph safe and deterministic.
+Launches on one device share the tickets: they must be ordered on one stream.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from ..skinny_linear import (DTYPES, check_skinny_inputs, check_skinny_sum_input
                              skinny_linear_sum_op, skinny_linear_sum_reference)
 from . import pdl
 from .pdl import wait
+from .persistent import persistent_zeros
 
 MAX_KERNEL_ROWS = 64  # beyond this the reference (cuBLAS) runs: a GEMM, not a weight stream
 REDUCE_BLOCK = 1024
+TICKETS_MIN = 8192  # output tiles a launch may have (a 32768-row weight in 16-row tiles is 2048)
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,40 @@ def _store_tile(acc, out_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _tile(x_ptr, w_ptr, out_ptr, M, Nw, K, stride_xm, stride_wn, stride_om, n_tile, col0, x_col0, k_lo,
-          K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-          FP32: tl.constexpr):
+def split_tail(acc, part_ptr, out_ptr, ticket_ptr, tile, M, Nw, stride_om, stride_os, n_tile, col0, SPLIT: tl.constexpr,
+               TICKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's accumulator out: with one split into ``out``; with several its fp32 partial into ``part_ptr``
+    (this split's ``[M, N]`` slice) and, with ``TICKET``, the last split of the tile to arrive (an acq_rel
+    ticket, reset after use) sums the tile's partials in split order -- the order of ``_reduce_kernel``, the same
+    bits -- into ``out``.  Without tickets a ``_reduce_kernel`` launch sums them."""
+    if SPLIT == 1:
+        _store_tile(acc, out_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M, BLOCK_N)
+    else:
+        _store_tile(acc, part_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M, BLOCK_N)
+        if TICKET:
+            tl.debug_barrier()  # every thread's partial stores precede the ticket (released by it)
+            if tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # clean for the next launch
+                rn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                rm = tl.arange(0, BLOCK_M)
+                offs = rm[None, :].to(tl.int64) * stride_om + (col0 + rn)[:, None]
+                mask = (rm < M)[None, :] & (rn < Nw)[:, None]
+                first = part_ptr - tl.program_id(1).to(tl.int64) * stride_os
+                total = tl.load(first + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for sp in tl.static_range(1, SPLIT):
+                    total += tl.load(first + sp * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile(x_ptr, w_ptr, part_ptr, out_ptr, ticket_ptr, tile, M, Nw, K, stride_xm, stride_wn, stride_om, stride_os,
+          n_tile, col0, x_col0, k_lo, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, TICKET: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP32: tl.constexpr):
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _acc_tile(acc, x_ptr, w_ptr, M, Nw, K, stride_xm, stride_wn, n_tile, x_col0, k_lo, 1, K_SPLIT,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
-    _store_tile(acc, out_ptr, M, Nw, stride_om, n_tile, col0, BLOCK_M, BLOCK_N)
+    split_tail(acc, part_ptr, out_ptr, ticket_ptr, tile, M, Nw, stride_om, stride_os, n_tile, col0, SPLIT, TICKET,
+               BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -104,28 +135,29 @@ def _skinny_sum_kernel(x0_ptr, w0_ptr, x1_ptr, w1_ptr, out_ptr, M, N, stride_x0m
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, M, N0, N1, K, stride_xm, stride_w0, stride_w1, stride_om,
-                   stride_os, TILES0, N_PER_GROUP, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP32: tl.constexpr, TWO: tl.constexpr,
-                   GROUPED: tl.constexpr, PDL: tl.constexpr = False):
+def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, part_ptr, out_ptr, ticket_ptr, M, N0, N1, K, stride_xm, stride_w0, stride_w1,
+                   stride_om, stride_os, TILES0, N_PER_GROUP, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+                   TICKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN: tl.constexpr, FP32: tl.constexpr, TWO: tl.constexpr, GROUPED: tl.constexpr,
+                   PDL: tl.constexpr = False):
     wait(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_lo = pid_k * K_SPLIT
-    out_ptr += pid_k.to(tl.int64) * stride_os
+    part_ptr += pid_k.to(tl.int64) * stride_os
     if TWO:
         if pid < TILES0:
-            _tile(x_ptr, w0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_om, pid, 0, 0, k_lo, K_SPLIT,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+            _tile(x_ptr, w0_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N0, K, stride_xm, stride_w0, stride_om,
+                  stride_os, pid, 0, 0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
         else:
-            _tile(x_ptr, w1_ptr, out_ptr, M, N1, K, stride_xm, stride_w1, stride_om, pid - TILES0, N0, 0, k_lo,
-                  K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+            _tile(x_ptr, w1_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N1, K, stride_xm, stride_w1, stride_om,
+                  stride_os, pid - TILES0, N0, 0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
     else:
         x_col0 = 0
         if GROUPED:
             x_col0 = (pid * BLOCK_N // N_PER_GROUP) * K
-        _tile(x_ptr, w0_ptr, out_ptr, M, N0, K, stride_xm, stride_w0, stride_om, pid, 0, x_col0, k_lo, K_SPLIT,
-              BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
+        _tile(x_ptr, w0_ptr, part_ptr, out_ptr, ticket_ptr, pid, M, N0, K, stride_xm, stride_w0, stride_om, stride_os,
+              pid, 0, x_col0, k_lo, K_SPLIT, SPLIT, TICKET, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, FP32)
 
 
 @triton.jit
@@ -218,16 +250,24 @@ def skinny_linear_triton(x: torch.Tensor, weights: list[torch.Tensor], groups: i
     pdl_kw = pdl.launch_args(x.device)
     tiles0 = triton.cdiv(ns[0], bn)
     grid = (sum(triton.cdiv(v, bn) for v in ns), split)
+    tickets = split_tickets("skinny_linear_tickets", x.device, grid[0]) if split > 1 else None
     _skinny_kernel[grid](
-        x, w0, w1, target, m, ns[0], ns[1] if len(ns) > 1 else 0, k, x.stride(0), w0.stride(0), w1.stride(0), n,
-        m * n, tiles0, ns[0] // groups, K_SPLIT=k_split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even, FP32=x.dtype == torch.float32,
-        TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw,
+        x, w0, w1, target, out, tickets if tickets is not None else out, m, ns[0], ns[1] if len(ns) > 1 else 0, k,
+        x.stride(0), w0.stride(0), w1.stride(0), n, m * n, tiles0, ns[0] // groups, K_SPLIT=k_split, SPLIT=split,
+        TICKET=tickets is not None, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
+        FP32=x.dtype == torch.float32, TWO=len(weights) > 1, GROUPED=groups > 1, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_kw,
     )
-    if split > 1:
+    if split > 1 and tickets is None:  # captured before the tickets existed: sum the partials in a second launch
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK,
                                                              num_warps=4, **pdl_kw)
     return out
+
+
+def split_tickets(name: str, device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The split-K tickets of a launch of ``tiles`` output tiles (:func:`split_tail`); None while a graph is
+    captured before they exist (the caller then sums in a ``_reduce_kernel`` launch)."""
+    return persistent_zeros(name, device, max(tiles, TICKETS_MIN), torch.int32)
 
 
 def kernel_takes(x: torch.Tensor, weights: list[torch.Tensor], groups: int = 1) -> bool:
