@@ -4,7 +4,8 @@ Each query row ``t`` scores every compressed indexer entry ``s`` with ``sum_h w_
 (transformers' ``DeepseekV4IndexerScorer``: ``relu(q.K) * index_head_dim^-0.5``, weights ``weights_proj(x) *
 index_n_heads^-0.5``), masks the entries of windows that close after the query (``s >= (p + 1) // rate``)
 and keeps the ``k`` best.  Picks that point at a masked entry (a query with fewer than ``k`` closed windows)
-come back as ``-1``, as transformers' indexer returns them.
+come back as ``-1``, as transformers' indexer returns them, after the real picks; the order among the real picks is
+not part of the contract (the reference's is by score, the CUDA kernel's by entry).
 
 The entries are a fixed-shape buffer (``target_runtime/batched_state.py``: every entry the capacity allows,
 plus a spare), so the shapes depend only on the row count.  The reference below is the source of truth; the

@@ -9,8 +9,9 @@ one launch.  The reference below is the source of truth (CPU, autograd).
 
 ``dsv4_mtp::hash_route`` is the target's first layers' routing (``mlp_layer_types == "hash_moe"``,
 transformers' ``DeepseekV4HashRouter``): the experts are a frozen table's row for the token id, the
-weights the same fp32 scores at those experts, renormalised and scaled.  No CUDA kernel yet: under
-``torch.compile`` its reference is traced (:func:`hash_route`).
+weights the same fp32 scores at those experts, renormalised and scaled.  Its CUDA registration is
+``moe_route``'s scores kernel with the table's experts in place of the top-k; under ``torch.compile`` its
+reference is traced (:func:`hash_route`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def hash_route_reference(h, weight, tid2eid, input_ids, scaling: float):
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling, ids
 
 
-def _check_hash(h, weight, tid2eid, input_ids):
+def check_hash_route_inputs(h, weight, tid2eid, input_ids):
     if h.dim() != 2 or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"hash_route: h must be [T, D] and weight [E, D], got {tuple(h.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -73,14 +74,14 @@ def _check_hash(h, weight, tid2eid, input_ids):
 @torch.library.custom_op(f"{LIB}::hash_route", mutates_args=())
 def hash_route_op(h: torch.Tensor, weight: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every device: the reference math (no CUDA kernel yet)."""
-    _check_hash(h, weight, tid2eid, input_ids)
+    """Registration for every device without a faster kernel: the reference math."""
+    check_hash_route_inputs(h, weight, tid2eid, input_ids)
     return hash_route_reference(h, weight, tid2eid, input_ids, scaling)
 
 
 @hash_route_op.register_fake
 def _(h, weight, tid2eid, input_ids, scaling):
-    _check_hash(h, weight, tid2eid, input_ids)
+    check_hash_route_inputs(h, weight, tid2eid, input_ids)
     t, k = h.shape[0], tid2eid.shape[1]
     return h.new_empty(t, k, dtype=torch.float32), h.new_empty(t, k, dtype=torch.long)
 
@@ -95,7 +96,7 @@ def hash_route(h, weight, tid2eid, input_ids, scaling: float):
 
 def register_cuda_kernels() -> bool:
     """Register the Triton kernels behind ``dsv4_mtp::moe_route`` (on import when CUDA is present)."""
-    return register_triton_kernels("moe_route_triton", "dsv4_mtp::moe_route")
+    return register_triton_kernels("moe_route_triton", "dsv4_mtp::moe_route/hash_route")
 
 if torch.cuda.is_available():
     register_cuda_kernels()
