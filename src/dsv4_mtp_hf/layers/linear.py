@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.fp8_linear import fp8_linear_cat
+from ..fp8 import decode_block_scale
+from ..ops.fp8_linear import fp8_linear, fp8_linear_cat
 from ..ops.skinny_linear import grouped_linear, linear_weights, skinny_linear_sum, use_skinny
 
 
@@ -29,11 +30,34 @@ def plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear and m.bias is None and unhooked(m)
 
 
+class FP8BlockLinear(nn.Module):
+    """A bias-free projection whose weight stays FP8 e4m3 with one float32 scale per 128x128 block, run by
+    ``dsv4_mtp::fp8_linear``.  ``groups > 1``: transformers' ``DeepseekV4GroupedLinear`` (``o_a_proj``),
+    ``[..., G, K] -> [..., G, N/G]``."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+            raise TypeError(f"FP8BlockLinear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("weight_scale_inv", decode_block_scale(scale).to(weight.device))
+        self.groups = groups
+        self.out_features, self.in_features = weight.shape[0], weight.shape[1] * groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups == 1:
+            return fp8_linear(x, self.weight, self.weight_scale_inv)
+        flat = fp8_linear(x.flatten(-2), self.weight, self.weight_scale_inv, self.groups)
+        return flat.view(*x.shape[:-2], self.groups, -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}, fp8 e4m3"
+
+
 def fp8_block(m: nn.Module) -> bool:
-    """An unhooked, ungrouped FP8 block projection (its FP8 weight and block scales are all it computes)."""
-    weight = getattr(m, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
-            and hasattr(m, "weight_scale_inv") and getattr(m, "groups", 1) == 1 and unhooked(m))
+    """An unhooked, ungrouped :class:`FP8BlockLinear` (its FP8 weight and block scales are all it computes; other
+    FP8 modules, e.g. transformers' W8A8 ``FP8Linear``, are called as they are)."""
+    return type(m) is FP8BlockLinear and m.groups == 1 and unhooked(m)
 
 
 def skinny_ready(x: torch.Tensor, *linears: nn.Module) -> bool:

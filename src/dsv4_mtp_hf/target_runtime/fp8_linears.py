@@ -6,8 +6,8 @@ On a CUDA GPU transformers loads them as its ``FP8Linear`` / ``FP8GroupedLinear`
 quantised per token on every call, by kernels fetched from the Hub); on a CPU, or with
 ``FineGrainedFP8Config(dequantize=True)``, it widens them to bf16 (twice the bytes a decode step reads).
 
-:class:`FP8BlockLinear` keeps the FP8 weight and its scales and runs ``dsv4_mtp::fp8_linear`` (W8A16: the
-dequantised bf16 model's math at half its weight bytes).  :func:`keep_fp8_linears` swaps transformers' FP8
+:class:`~dsv4_mtp_hf.layers.linear.FP8BlockLinear` (a layer: ``layers/linear.py``) keeps the FP8 weight and its
+scales and runs ``dsv4_mtp::fp8_linear`` (W8A16: the dequantised bf16 model's math at half its weight bytes).  :func:`keep_fp8_linears` swaps transformers' FP8
 modules for it (same tensors, no copy); :func:`quantize_fp8_linears` makes it from a bf16 model's linears
 with DeepSeek's recipe (for a BF16 conversion, or random benchmark weights).  ``pack_fp4_experts`` and
 ``DeepseekV4PackedExpertsForCausalLM`` call :func:`keep_fp8_linears` themselves.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fp8 import FP8_BLOCK, decode_block_scale, quantize_fp8_block
-from ..ops.fp8_linear import fp8_linear
+from ..fp8 import FP8_BLOCK, quantize_fp8_block
+from ..layers.linear import FP8BlockLinear
 
 # The projections a V4 release stores in FP8 (module names end so); the rest stay as loaded: the compressors'
 # and the indexer's other projections (BF16 in the release, as transformers' `_keep_in_fp32_modules` notes),
@@ -27,30 +27,6 @@ from ..ops.fp8_linear import fp8_linear
 FP8_PROJECTIONS = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_a_proj",
                    "self_attn.o_b_proj", "indexer.q_b_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
                    "shared_experts.down_proj")
-
-
-class FP8BlockLinear(nn.Module):
-    """A bias-free projection whose weight stays FP8 e4m3 with one float32 scale per 128x128 block, run by
-    ``dsv4_mtp::fp8_linear``.  ``groups > 1``: transformers' ``DeepseekV4GroupedLinear`` (``o_a_proj``),
-    ``[..., G, K] -> [..., G, N/G]``."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1):
-        super().__init__()
-        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-            raise TypeError(f"FP8BlockLinear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("weight_scale_inv", decode_block_scale(scale).to(weight.device))
-        self.groups = groups
-        self.out_features, self.in_features = weight.shape[0], weight.shape[1] * groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups == 1:
-            return fp8_linear(x, self.weight, self.weight_scale_inv)
-        flat = fp8_linear(x.flatten(-2), self.weight, self.weight_scale_inv, self.groups)
-        return flat.view(*x.shape[:-2], self.groups, -1)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}, fp8 e4m3"
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
