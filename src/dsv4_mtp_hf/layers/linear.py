@@ -1,9 +1,10 @@
 """Dense projections: ``nn.Linear`` modules, run through ``dsv4_mtp::skinny_linear`` on CUDA for a
 decode step's few rows (design §8; ``ops/skinny_linear.py``).
 
-:func:`project` takes the bias-free projections that read the same input.  FP8 block projections (a
-release's, ``target_runtime/fp8_linears.py``) run two to a ``dsv4_mtp::fp8_linear_cat``; other modules that
-are not plain ``nn.Linear`` (hooks, adapters, other quantised layers) are called as they are.  The plain ones on CPU, for dtypes other than bf16, under autograd or for more
+:func:`project` takes the bias-free projections that read the same input.  :class:`FP8BlockLinear` modules
+(a release's FP8 projections as ``target_runtime/fp8_linears.py`` keeps them) run two to a
+``dsv4_mtp::fp8_linear_cat``; other modules that are not plain ``nn.Linear`` (hooks, adapters, other quantised
+layers) are called as they are.  The plain ones on CPU, for dtypes other than bf16, under autograd or for more
 than ``MAX_ROWS`` rows run ``F.linear`` on their weight -- the reference path, unchanged.  Otherwise
 they run two to a kernel launch and the result is split per module (each output element is the same
 dot product either way).

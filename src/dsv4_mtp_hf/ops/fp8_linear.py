@@ -112,7 +112,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
 
 def fp8_linear_cat(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``x [..., K]`` through each FP8 weight with its scales -> one ``[..., N_i]`` per weight, from one
-    ``dsv4_mtp::fp8_linear_cat`` (a launch on CUDA per two weights)."""
+    ``dsv4_mtp::fp8_linear_cat`` (one launch on CUDA for one or two weights)."""
     lead = x.shape[:-1]
     out = fp8_linear_cat_op(x.reshape(-1, x.shape[-1]), list(weights), list(scales))
     return tuple(y.view(*lead, y.shape[-1]) for y in out.split([w.shape[0] for w in weights], dim=-1))
