@@ -81,7 +81,7 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, E, rate, so_r, K: tl.constexpr, B
         bins = tl.arange(0, 256)
         prefix = tl.zeros([], dtype=tl.uint32)
         fixed = tl.zeros([], dtype=tl.uint32)  # the bits of the threshold found so far
-        need = K  # picks still to find among the keys that match the prefix
+        need = tl.full([], K, dtype=tl.int32)  # picks still to find among the keys that match the prefix
         for shift in tl.static_range(24, -8, -8):
             hist = tl.zeros([256], dtype=tl.int32)
             for c in range(0, closed, BLOCK):
@@ -94,8 +94,8 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, E, rate, so_r, K: tl.constexpr, B
             need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
             prefix |= digit.to(tl.uint32) << shift
             fixed |= tl.full([], 0xFF, dtype=tl.uint32) << shift
-        taken = 0  # emitted so far; `need` of the keys equal to the threshold are taken, the first ones
-        equal_before = 0
+        taken = tl.zeros([], dtype=tl.int32)  # emitted so far; `need` of the keys equal to the threshold are taken
+        equal_before = tl.zeros([], dtype=tl.int32)
         for c in range(0, closed, BLOCK):
             e = c + e0
             key = _ordered(tl.load(row + e, mask=e < closed, other=0.0))
